@@ -1,0 +1,83 @@
+# qpipe: every target sets up what it needs by itself (stamp files under .stamps/,
+# re-made when the pinned requirements change). Every default below is overridable:
+#   make quantize RECIPE=int4 BASELINE=/models/my-llama CALIB_SAMPLES=256 FORCE=1
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON        ?= python3
+VENV          ?= .venv
+SERVE_VENV    ?= .venv-serve
+SERVE_TARGET  ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ARTIFACTS     ?= artifacts
+BASELINE      ?= smollm2-135m-instruct
+RECIPE        ?=
+FORCE         ?=
+CALIB_SAMPLES ?=
+CALIB_SEQ_LEN ?=
+CALIB_DATA    ?=
+PYTEST_ARGS   ?=
+MLFLOW_PORT   ?= 5000
+# planner
+MODEL         ?= smollm2-135m
+GPU           ?= h100-80gb
+CONTEXT       ?= 8192
+MAX_CONTEXT   ?= 131072
+WEIGHTS       ?= bf16
+KV_DTYPE      ?= bf16
+JSON          ?=
+
+export QPIPE_ARTIFACTS := $(abspath $(ARTIFACTS))
+export PYTHON VENV SERVE_VENV SERVE_TARGET TORCH_CPU_INDEX
+export QPIPE_SERVE_PYTHON := $(abspath $(SERVE_VENV))/bin/python
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+
+QPIPE := $(VENV)/bin/qpipe
+PIPELINE_STAMP := .stamps/pipeline
+SERVE_STAMP := .stamps/serve
+
+opt = $(if $(2),$(1) $(2))
+
+.PHONY: help setup quantize recipes baseline plan ui test lint clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
+
+$(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
+	@scripts/setup.sh pipeline
+	@mkdir -p $(@D) && touch $@
+
+$(SERVE_STAMP): requirements/serve-cpu.txt requirements/serve-cuda.txt scripts/setup.sh
+	@scripts/setup.sh serve
+	@mkdir -p $(@D) && touch $@
+
+setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
+
+baseline: $(PIPELINE_STAMP) ## resolve the baseline (converts the embedded GGUF model once)
+	@$(QPIPE) baseline --baseline $(BASELINE)
+
+recipes: $(PIPELINE_STAMP) ## list and validate the recipes
+	@$(QPIPE) recipes
+
+quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4 (default: every recipe)
+	@$(QPIPE) quantize --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
+	  $(if $(FORCE),--force) $(call opt,--calib-samples,$(CALIB_SAMPLES)) \
+	  $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) $(call opt,--calib-data,$(CALIB_DATA))
+
+plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS KV_DTYPE [JSON=1]
+	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --max-context $(MAX_CONTEXT) \
+	  --weights $(WEIGHTS) --kv-dtype $(KV_DTYPE) $(if $(JSON),--json)
+
+ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-C stops it)
+	@$(QPIPE) ui --port $(MLFLOW_PORT)
+
+test: $(PIPELINE_STAMP) $(SERVE_STAMP) ## run the test suite (unit, end-to-end on a tiny model, embedded model)
+	@$(VENV)/bin/ruff check pipeline tests
+	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(PIPELINE_STAMP) ## ruff
+	@$(VENV)/bin/ruff check pipeline tests
+
+clean: ## remove generated artifacts (keeps the environments and mlflow.db)
+	rm -rf $(ARTIFACTS)

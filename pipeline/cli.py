@@ -1,0 +1,62 @@
+"""The ``qpipe`` command: one sub-command per stage, each calling one stage module.
+
+Every error a user can cause is a :class:`~pipeline.errors.QpipeError`; it is printed as one
+paragraph (no traceback) and turned into a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+from types import FrameType
+
+from pipeline.errors import Interrupted, QpipeError
+
+# sub-command -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
+# Modules are imported only when their command runs: torch & co. load in seconds, not at --help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "baseline": ("pipeline.baseline", "resolve the baseline model (convert the embedded one once)"),
+    "recipes": ("pipeline.recipes", "list the recipes and validate them"),
+    "quantize": ("pipeline.quantize", "quantize the baseline with recipes (llmcompressor oneshot)"),
+    "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
+    "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
+}
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported to add its arguments."""
+    parser = argparse.ArgumentParser(prog="qpipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # SIGTERM takes the same clean-up path as Ctrl-C: temp dirs removed, servers stopped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        err: QpipeError = Interrupted("interrupted; partial output was removed. Run it again.")
+        print(f"qpipe {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except QpipeError as err:
+        print(f"qpipe {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

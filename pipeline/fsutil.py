@@ -1,0 +1,85 @@
+"""Write-then-rename helpers: nothing half-written is ever left where a reader looks."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.errors import OutputError
+
+TEMP_PREFIX = ".tmp-"
+
+
+def output_error(location: Path, err: OSError) -> OutputError:
+    """One paragraph for an unwritable or full output location."""
+    why = "the disk is full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    return OutputError(
+        f"cannot write to {location} ({why}); nothing was left half-written there. "
+        "Set ARTIFACTS= (CLI: the QPIPE_ARTIFACTS environment variable) to a writable "
+        "directory with enough free space, or free some space."
+    )
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temp dir beside ``target``; rename it to ``target`` only if the block succeeds.
+
+    On any exception (an interrupt included) the temp dir is removed. An existing ``target``
+    is replaced only after the new one is complete.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the finished directory is a normal one
+    except OSError as err:
+        raise output_error(target.parent, err) from None
+    try:
+        yield tmp
+        old = None
+        if target.exists():
+            old = target.with_name(f"{TEMP_PREFIX}old-{target.name}-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            raise output_error(target.parent, err) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Remove temp dirs that a killed run (SIGKILL, power loss) left in ``parent``."""
+    removed = []
+    if parent.is_dir():
+        for p in parent.glob(f"{TEMP_PREFIX}*"):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's object, or {} when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to a temp file in the same directory, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,41 @@
+"""File locations in one place, so that nobody spells them twice.
+
+Every location is overridable: ``QPIPE_ARTIFACTS`` (Makefile ``ARTIFACTS=``) moves all
+generated state; the project root is where ``recipes/`` and ``evals/`` live.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+EVALS_DIR = PROJECT_ROOT / "evals"
+CONFIGS_DIR = PROJECT_ROOT / "configs"
+CALIBRATION_DIR = RECIPES_DIR / "calibration"
+
+
+def artifacts_dir() -> Path:
+    """Root of generated state (baselines, variants, caches); git-ignored."""
+    return Path(os.environ.get("QPIPE_ARTIFACTS", PROJECT_ROOT / "artifacts")).expanduser()
+
+
+def baselines_dir() -> Path:
+    """Where converted baselines (e.g. the embedded GGUF model as bf16 safetensors) live."""
+    return artifacts_dir() / "baselines"
+
+
+def variants_dir() -> Path:
+    """One sub-directory per baseline, one directory per recipe below it."""
+    return artifacts_dir() / "variants"
+
+
+def variant_dir(baseline_name: str, recipe_name: str) -> Path:
+    """The checkpoint directory of one variant: baseline name + recipe name."""
+    return variants_dir() / baseline_name / recipe_name
+
+
+def default_tracking_uri() -> str:
+    """MLflow's store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<root>/mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"

