@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline import paths, recipes
+from pipeline.errors import RecipeError
+
+SHIPPED = ["fp8", "int4", "int8", "mxfp4"]
+
+
+def write(tmp_path: Path, text: str, name: str = "custom.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_recipes_are_listed_and_valid() -> None:
+    assert recipes.available() == SHIPPED
+    for name in SHIPPED:
+        recipe = recipes.load(name)
+        assert recipe.recovery_threshold_pct is not None
+        assert recipe.description
+        if recipe.calibration:
+            assert Path(recipe.calibration.dataset).is_file()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_llmcompressor_accepts_each_shipped_recipe_file_as_is(name: str) -> None:
+    llm_recipe = recipes.instantiate(recipes.load(name))
+    assert llm_recipe.modifiers, "oneshot would do nothing"
+
+
+def test_data_free_and_calibrated_recipes() -> None:
+    assert recipes.load("fp8").calibration is None
+    assert recipes.load("mxfp4").calibration is None
+    int4 = recipes.load("int4")
+    assert int4.calibration is not None and int4.calibration.num_samples > 0
+    overridden = int4.with_calibration(num_samples=8, max_seq_length=None)
+    assert overridden.calibration.num_samples == 8
+    assert overridden.calibration.max_seq_length == int4.calibration.max_seq_length
+    assert recipes.load("fp8").with_calibration(num_samples=8).calibration is None
+
+
+def test_unknown_recipe_lists_the_ones_that_exist() -> None:
+    with pytest.raises(RecipeError) as err:
+        recipes.load("fp9")
+    assert "'fp9'" in str(err.value)
+    for name in SHIPPED:
+        assert name in str(err.value)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "qpipe:\n  description: x\nquantize_stage:\n  - [unclosed\n")
+    with pytest.raises(RecipeError) as err:
+        recipes.load(str(path))
+    assert str(path) in str(err.value)
+    assert "line 5" in str(err.value) or "line 4" in str(err.value)
+
+
+def test_unknown_scheme_is_named_with_the_valid_ones(tmp_path: Path) -> None:
+    text = (paths.RECIPES_DIR / "fp8.yaml").read_text().replace("FP8_DYNAMIC", "FP9_MAGIC")
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as err:
+        recipes.load(str(path))
+    message = str(err.value)
+    assert "FP9_MAGIC" in message and "FP8_DYNAMIC" in message and "W4A16" in message
+    assert f"{path}, line" in message
+
+
+def test_unknown_field_and_bad_calibration_are_named(tmp_path: Path) -> None:
+    base = (paths.RECIPES_DIR / "int4.yaml").read_text()
+    path = write(tmp_path, base.replace("recovery_threshold_pct:", "recovery_treshold_pct:"))
+    with pytest.raises(RecipeError, match="recovery_treshold_pct"):
+        recipes.load(str(path))
+    path = write(tmp_path, base.replace("num_samples: 64", "num_samples: many"))
+    with pytest.raises(RecipeError, match=r"calibration.num_samples must be a positive integer"):
+        recipes.load(str(path))
+
+
+def test_recipe_without_stage_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, "qpipe:\n  description: nothing to do\n")
+    with pytest.raises(RecipeError, match="_stage"):
+        recipes.load(str(path))
+
+
+def test_unknown_modifier_is_rejected_with_the_file(tmp_path: Path) -> None:
+    text = (paths.RECIPES_DIR / "fp8.yaml").read_text().replace(
+        "QuantizationModifier", "QuantiseModifier")
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as err:
+        recipes.instantiate(recipes.load(str(path)))
+    assert str(path) in str(err.value) and "QuantiseModifier" in str(err.value)
