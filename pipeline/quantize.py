@@ -1,0 +1,238 @@
+"""Quantize a baseline with one recipe: llmcompressor ``oneshot`` into a temp dir, then rename.
+
+The variant directory (``artifacts/variants/<baseline>/<recipe>/``) appears only when complete
+and carries ``qpipe_manifest.json``. Its ``cache_key`` hashes every input (baseline identity,
+recipe text, calibration data and settings, library versions): unchanged inputs, no work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import platform
+import resource
+import shutil
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pipeline import baseline as baselines
+from pipeline import checkpoint, paths, recipes, tracking
+from pipeline.errors import OutputError, QuantizeError, RecipeError
+from pipeline.fsutil import atomic_dir, read_json, remove_stale_temp_dirs, write_json_atomic
+
+MANIFEST = "qpipe_manifest.json"
+LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
+STAGE = "quantize"
+
+
+def library_versions() -> dict[str, str]:
+    return {name: metadata.version(name) for name in LIBRARIES}
+
+
+def cache_key(base: baselines.Baseline, recipe: recipes.RecipeFile) -> str:
+    """Hash of everything that determines the checkpoint's content."""
+    calib = dataclasses.asdict(recipe.calibration) if recipe.calibration else None
+    if calib and Path(calib["dataset"]).is_file():
+        calib["dataset"] = hashlib.sha256(Path(calib["dataset"]).read_bytes()).hexdigest()
+    payload = {"baseline": base.identity, "recipe": recipe.sha256, "calibration": calib,
+               "libraries": library_versions()}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def scheme_label(llm_recipe: Any) -> str:
+    """A short label of what the recipe quantizes: a preset name, else e.g. ``W4A16-G64``."""
+    labels = []
+    for modifier in llm_recipe.modifiers:
+        if not hasattr(modifier, "resolve_quantization_config"):
+            continue
+        if isinstance(modifier.scheme, str):
+            labels.append(modifier.scheme)
+            continue
+        for scheme in modifier.resolve_quantization_config().config_groups.values():
+            w, a = scheme.weights, scheme.input_activations
+            label = f"W{w.num_bits}A{a.num_bits if a else 16}" if w else "A-only"
+            if w and w.type == "float":
+                label = f"FP{label}"
+            if w and w.group_size:
+                label += f"-G{w.group_size}"
+            labels.append(label)
+    return "+".join(labels) or "none"
+
+
+def check_group_sizes(model: Any, llm_recipe: Any, recipe_path: Path) -> None:
+    """Stop before quantizing if a group size does not divide a targeted layer's width."""
+    from compressed_tensors.utils import match_named_modules
+
+    for modifier in llm_recipe.modifiers:
+        if not hasattr(modifier, "resolve_quantization_config"):
+            continue
+        config = modifier.resolve_quantization_config()
+        for scheme in config.config_groups.values():
+            size = scheme.weights.group_size if scheme.weights else None
+            if not size or size <= 0:
+                continue
+            layers = [(name, m.in_features) for name, m in
+                      match_named_modules(model, scheme.targets, config.ignore)
+                      if hasattr(m, "in_features")]
+            bad = [(name, width) for name, width in layers if width % size]
+            if bad:
+                name, width = bad[0]
+                common = math.gcd(*(w for _, w in layers))
+                fits = [g for g in (128, 64, 32, 16) if common % g == 0]
+                raise RecipeError(
+                    f"{recipe_path}: group_size {size} does not divide the input width {width} of "
+                    f"layer {name} ({len(bad)} of {len(layers)} targeted layers do not fit). Set "
+                    f"group_size to a divisor of every width ({', '.join(map(str, fits)) or 'none'}"
+                    " fit this model), or add those layers to `ignore`."
+                )
+
+
+def _free_space_check(where: Path, needed: int) -> None:
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise OutputError(
+            f"{probe} has {free / 1e9:.2f} GB free, and this variant needs up to "
+            f"{needed / 1e9:.2f} GB while it is written. Free some space or set ARTIFACTS= "
+            "to a location with more."
+        )
+
+
+def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False) -> dict:
+    """Produce (or reuse) the variant of ``base`` made by ``recipe``; returns its manifest."""
+    target = paths.variant_dir(base.name, recipe.name)
+    key = cache_key(base, recipe)
+    manifest = read_json(target / MANIFEST)
+    if manifest.get("cache_key") == key and not force:
+        print(f"[quantize] {base.name}/{recipe.name} is up to date ({target}); nothing to do "
+              "(FORCE=1 redoes it).")
+        _track(base, recipe, manifest, target)
+        return manifest
+    remove_stale_temp_dirs(target.parent)
+    base_size = checkpoint.measure(base.path)
+    _free_space_check(target.parent, int(base_size.checkpoint_bytes * 1.2))
+
+    print(f"[quantize] {base.name} with recipe {recipe.name} ({recipe.description})")
+    started = time.monotonic()
+    with atomic_dir(target) as tmp:
+        scheme = _run_oneshot(base, recipe, tmp)
+        seconds = time.monotonic() - started
+        shutil.copyfile(recipe.path, tmp / "qpipe_recipe.yaml")
+        size = checkpoint.measure(tmp, base.path)
+        manifest = {
+            "cache_key": key,
+            "baseline": base.as_dict(),
+            "recipe": {"name": recipe.name, "path": str(recipe.path), "sha256": recipe.sha256,
+                       "scheme": scheme, "description": recipe.description,
+                       "calibration": dataclasses.asdict(recipe.calibration)
+                       if recipe.calibration else None},
+            "libraries": library_versions(),
+            "hardware": {"machine": platform.machine(), "processor": platform.processor(),
+                         "device": _device()},
+            "quantize_seconds": round(seconds, 2),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "format": size.format,
+            "checkpoint_bytes": size.checkpoint_bytes,
+            "weight_bytes": size.weight_bytes,
+            "baseline_weight_bytes": base_size.weight_bytes,
+            "compression_ratio": base_size.weight_bytes / size.weight_bytes,
+            "quantized_layers": size.quantized_layers,
+            "quantized_layer_bytes": size.quantized_layer_bytes,
+            "quantized_layer_bf16_bytes": size.quantized_layer_bf16_bytes,
+            "quantized_layer_bytes_ratio": size.quantized_layer_ratio,
+        }
+        write_json_atomic(tmp / MANIFEST, manifest)
+    ratio = manifest["quantized_layer_bytes_ratio"]
+    print(f"[quantize] wrote {target}: {size.format}, {size.weight_bytes / 1e6:.1f} MB of weights "
+          f"({manifest['compression_ratio']:.2f}x smaller than the baseline; quantized layers at "
+          f"{ratio:.3f} of their bf16 bytes) in {seconds:.0f} s")
+    _track(base, recipe, manifest, target)
+    return manifest
+
+
+def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path) -> str:
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline import calibration
+
+    llm_recipe = recipes.instantiate(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.bfloat16)
+    check_group_sizes(model, llm_recipe, recipe.path)
+    calib = recipe.calibration
+    data_args: dict[str, Any] = {}
+    if calib is not None:
+        data = calibration.load(calib, tokenizer)
+        print(f"[quantize] calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
+              f"from {calib.dataset}")
+        data_args = {"dataset": data, "num_calibration_samples": len(data),
+                     "max_seq_length": calib.max_seq_length}
+    try:
+        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), output_dir=str(out),
+                **data_args)
+    except (KeyboardInterrupt, RecipeError):
+        raise
+    except Exception as err:
+        raise QuantizeError(
+            f"llmcompressor failed on {recipe.path} with {base.name}: {type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. Check the recipe's "
+            "scheme against the model (see recipes/*.yaml for working forms)."
+        ) from err
+    return scheme_label(llm_recipe)
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: dict,
+           target: Path) -> None:
+    if tracking.find_run(base.name, STAGE, manifest["cache_key"]):
+        return
+    run_id = tracking.log_run(
+        base.name, STAGE, f"quantize:{recipe.name}",
+        params={tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: recipe.name,
+                tracking.PARAM_SCHEME: manifest["recipe"]["scheme"],
+                "format": manifest["format"], "baseline_identity": base.identity},
+        metrics={tracking.CHECKPOINT_BYTES: manifest["checkpoint_bytes"],
+                 tracking.WEIGHT_BYTES: manifest["weight_bytes"],
+                 tracking.COMPRESSION_RATIO: manifest["compression_ratio"],
+                 tracking.QUANTIZED_LAYER_RATIO: manifest["quantized_layer_bytes_ratio"],
+                 tracking.QUANTIZE_SECONDS: manifest["quantize_seconds"],
+                 tracking.PEAK_RSS_BYTES: manifest["peak_rss_bytes"]},
+        tags={tracking.TAG_CACHE_KEY: manifest["cache_key"], "qpipe.variant_dir": str(target)},
+        artifacts=[target / "qpipe_recipe.yaml", target / MANIFEST],
+    )
+    print(f"[quantize] recorded in MLflow ({paths.default_tracking_uri()}), run {run_id}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
+                        help="embedded alias, local model directory or hub id (%(default)s)")
+    parser.add_argument("--recipe", required=True,
+                        help="recipe name in recipes/ (fp8, int4, int8, mxfp4) or a recipe file")
+    parser.add_argument("--force", action="store_true", help="redo even if up to date")
+    parser.add_argument("--calib-samples", type=int, help="override calibration.num_samples")
+    parser.add_argument("--calib-seq-len", type=int, help="override calibration.max_seq_length")
+    parser.add_argument("--calib-data", help="override calibration.dataset (file or hub id)")
+
+
+def run(args: argparse.Namespace) -> int:
+    data = args.calib_data
+    if data and Path(data).exists():
+        data = str(Path(data).resolve())
+    recipe = recipes.load(args.recipe).with_calibration(
+        num_samples=args.calib_samples, max_seq_length=args.calib_seq_len, dataset=data)
+    quantize(baselines.resolve(args.baseline), recipe, force=args.force)
+    return 0

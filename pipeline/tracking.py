@@ -1,0 +1,81 @@
+"""MLflow: one experiment per baseline, one run per stage and variant; metric names in one place.
+
+The tracking store is ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<project>/mlflow.db``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+
+EXPERIMENT_PREFIX = "qpipe/"
+
+# Params every run carries, so that runs of one variant join across stages.
+PARAM_BASELINE = "baseline"
+PARAM_RECIPE = "recipe"
+PARAM_SCHEME = "scheme"
+
+# quantize
+CHECKPOINT_BYTES = "checkpoint_bytes"
+WEIGHT_BYTES = "weight_bytes"
+COMPRESSION_RATIO = "compression_ratio"  # baseline weight bytes / variant weight bytes
+QUANTIZED_LAYER_RATIO = "quantized_layer_bytes_ratio"  # quantized linears vs their bf16 bytes
+QUANTIZE_SECONDS = "quantize_seconds"
+PEAK_RSS_BYTES = "peak_rss_bytes"
+
+TAG_STAGE = "qpipe.stage"
+TAG_CACHE_KEY = "qpipe.cache_key"
+
+
+def _mlflow() -> Any:
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # ./mlruns still works if asked for
+    import mlflow
+
+    mlflow.set_tracking_uri(paths.default_tracking_uri())
+    return mlflow
+
+
+def experiment_name(baseline_name: str) -> str:
+    return f"{EXPERIMENT_PREFIX}{baseline_name}"
+
+
+def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:
+    """The id of a finished run of ``stage`` with this cache key, if one is recorded."""
+    mlflow = _mlflow()
+    experiment = mlflow.get_experiment_by_name(experiment_name(baseline_name))
+    if experiment is None:
+        return None
+    runs = mlflow.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CACHE_KEY}` = '{cache_key}'"
+        " and attributes.status = 'FINISHED'",
+        max_results=1,
+        output_format="list",
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def log_run(
+    baseline_name: str,
+    stage: str,
+    run_name: str,
+    params: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    tags: Mapping[str, str] | None = None,
+    artifacts: list[Path] | None = None,
+) -> str:
+    """Log one finished run in the baseline's experiment; returns its id."""
+    mlflow = _mlflow()
+    mlflow.set_experiment(experiment_name(baseline_name))
+    all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
+    with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
+        mlflow.log_params(dict(params))
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
+        for artifact in artifacts or []:
+            mlflow.log_artifact(str(artifact))
+        return run.info.run_id

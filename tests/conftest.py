@@ -1,0 +1,67 @@
+"""Shared fixtures: an isolated artifacts dir and MLflow store, and a tiny Llama made in-test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import paths
+
+CALIBRATION = paths.CALIBRATION_DIR / "python-reference.jsonl"
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Artifacts and the MLflow store under a temp dir, as ARTIFACTS= / MLFLOW_TRACKING_URI= do."""
+    monkeypatch.setenv("QPIPE_ARTIFACTS", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return tmp_path
+
+
+def _train_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in CALIBRATION.read_text().splitlines()[:60]]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="</s>").save_pretrained(out)
+
+
+def make_tiny_llama(out: Path, hidden: int = 128, seed: int = 0) -> Path:
+    """A 2-layer Llama (~0.4 M params) with random weights and a BPE tokenizer trained here."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    _train_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``qpipe ARGS`` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                          cwd=paths.PROJECT_ROOT)
