@@ -18,13 +18,17 @@ CALIB_SEQ_LEN ?=
 CALIB_DATA    ?=
 PYTEST_ARGS   ?=
 MLFLOW_PORT   ?= 5000
-# planner
-MODEL         ?= smollm2-135m
+# planner (MAX_CONTEXT empty: the model's maximum)
+MODEL         ?= gpt-oss-120b
 GPU           ?= h100-80gb
 CONTEXT       ?= 8192
-MAX_CONTEXT   ?= 131072
-WEIGHTS       ?= bf16
+MAX_CONTEXT   ?=
+WEIGHTS       ?= mxfp4
 KV_DTYPE      ?= bf16
+MEMORY_GB     ?=
+KV_BUDGET_GB  ?=
+PREFIX        ?=
+PLOT          ?=
 JSON          ?=
 
 export QPIPE_ARTIFACTS := $(abspath $(ARTIFACTS))
@@ -65,9 +69,11 @@ quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4
 	  $(if $(FORCE),--force) $(call opt,--calib-samples,$(CALIB_SAMPLES)) \
 	  $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) $(call opt,--calib-data,$(CALIB_DATA))
 
-plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS KV_DTYPE [JSON=1]
-	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --max-context $(MAX_CONTEXT) \
-	  --weights $(WEIGHTS) --kv-dtype $(KV_DTYPE) $(if $(JSON),--json)
+plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS KV_DTYPE [JSON=1 PLOT=f.png]
+	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --weights $(WEIGHTS) \
+	  --kv-dtype $(KV_DTYPE) $(call opt,--max-context,$(MAX_CONTEXT)) \
+	  $(call opt,--memory-gb,$(MEMORY_GB)) $(call opt,--kv-budget-gb,$(KV_BUDGET_GB)) \
+	  $(call opt,--prefix,$(PREFIX)) $(call opt,--plot,$(PLOT)) $(if $(JSON),--json)
 
 ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-C stops it)
 	@$(QPIPE) ui --port $(MLFLOW_PORT)

@@ -1,0 +1,68 @@
+"""Accelerator presets: ``configs/accelerators/NAME.yaml``, one file per device.
+
+Each file gives ``name``, ``description``, the memory the runtime sees (``memory_gib``, in
+2^30 bytes, or ``memory_bytes``) and the engine's KV ``block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipeline.errors import PlanError
+from pipeline.paths import CONFIGS_DIR
+
+ACCELERATORS_DIR = CONFIGS_DIR / "accelerators"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    description: str
+    memory_bytes: int
+    block_size: int = 16
+
+
+def _load(path: Path) -> Accelerator:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as err:
+        raise PlanError(f"{path}: cannot read the accelerator preset: {err}") from err
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: expected a mapping with name, memory_gib and block_size.")
+    if "memory_bytes" in data:
+        memory = int(data["memory_bytes"])
+    elif "memory_gib" in data:
+        memory = int(float(data["memory_gib"]) * GIB)
+    else:
+        raise PlanError(f"{path}: no `memory_gib` (or `memory_bytes`) field.")
+    block_size = int(data.get("block_size", 16))
+    if memory <= 0 or block_size <= 0:
+        raise PlanError(f"{path}: memory and block_size must be positive.")
+    return Accelerator(
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", path.stem)),
+        memory_bytes=memory,
+        block_size=block_size,
+    )
+
+
+def known_accelerators(directory: Path = ACCELERATORS_DIR) -> dict[str, Accelerator]:
+    """Every preset, by name."""
+    presets = (_load(path) for path in sorted(directory.glob("*.yaml")))
+    return {preset.name: preset for preset in presets}
+
+
+def get_accelerator(name: str, directory: Path = ACCELERATORS_DIR) -> Accelerator:
+    """The preset called ``name`` (case-insensitive), or a PlanError listing the known ones."""
+    presets = known_accelerators(directory)
+    preset = presets.get(name) or presets.get(name.lower())
+    if preset is None:
+        raise PlanError(
+            f"unknown accelerator {name!r}; known: {', '.join(sorted(presets)) or 'none'} "
+            f"(files in {directory}). For another device pass --memory-gb N (or --memory-gib N)."
+        )
+    return preset

@@ -1,0 +1,194 @@
+"""``qpipe plan`` end to end: the CLI, its JSON, its table, its plot and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import capacity, plan
+from pipeline.accelerators import get_accelerator, known_accelerators
+from pipeline.cli import main
+from pipeline.paths import PROJECT_ROOT
+
+GB = 10**9
+# what `make plan MODEL=gpt-oss-120b GPU=h100-80gb ... WEIGHTS=mxfp4 KV_DTYPE=bf16` passes
+MAKE_PLAN = ["plan", "--model", "gpt-oss-120b", "--gpu", "h100-80gb", "--context", "8192",
+             "--max-context", "131072", "--weights", "mxfp4", "--kv-dtype", "bf16"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+def write_config(directory: Path, config: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_json_carries_every_metric_name(capsys):
+    out = run_json(capsys, *MAKE_PLAN)
+    for name in capacity.PLANNED_METRICS:
+        assert name in out, name
+    assert set(out["weights_by_precision"]) == set(capacity.WEIGHT_PRECISIONS)
+    assert out["quantized_modules"] == ["experts"]
+    assert out["high_precision_modules"] == ["embeddings", "attention", "router", "norms",
+                                             "lm_head"]
+    assert out["inputs"]["checkpoint_quantization"] == "mxfp4"
+
+
+def test_worked_example_at_the_illustrative_15_gb(capsys):
+    out = run_json(capsys, *MAKE_PLAN, "--context", "8000", "--kv-budget-gb", "15")
+    sliding = 18 * 128 * 2048
+    assert out[capacity.KV_BYTES_PER_TOKEN] == 36_864
+    assert out["kv_bytes_per_token_all_layers"] == 73_728
+    assert out[capacity.KV_BYTES_PER_REQUEST] == 8000 * 36_864 + sliding  # ~300 MB
+    assert out["kv_bytes_per_request_max_context"] == 131_072 * 36_864 + sliding  # ~4.8 GB
+    assert out[capacity.KV_BUDGET_BYTES] == 15 * GB
+    assert out[capacity.MAX_CONCURRENCY_WORST_CASE] == 3
+    assert out[capacity.MAX_CONCURRENCY_PAGED] == 50
+    assert out["weights_by_precision"]["bf16"] == pytest.approx(234 * GB, rel=0.01)
+
+
+def test_real_h100_budget_after_mxfp4_weights(capsys):
+    out = run_json(capsys, *MAKE_PLAN)
+    memory = get_accelerator("h100-80gb").memory_bytes
+    weights = out["weights_by_precision"]["mxfp4"]
+    assert out[capacity.WEIGHT_BYTES] == weights < 80 * GB
+    budget = int(memory * 0.9) - weights - int(plan.DEFAULT_RESERVE_GB * GB)
+    assert out[capacity.KV_BUDGET_BYTES] == budget
+    per_request = 8192 * 36_864 + 18 * 128 * 2048
+    assert out[capacity.MAX_CONCURRENCY_PAGED] == budget // per_request
+    per_request_max = 131_072 * 36_864 + 18 * 128 * 2048
+    assert out[capacity.MAX_CONCURRENCY_WORST_CASE] == budget // per_request_max
+    prefix = 1024 * 36_864  # default prefix: 1,024 tokens in the 18 full-attention layers
+    assert out["inputs"]["prefix"] == 1024
+    assert out[capacity.MAX_CONCURRENCY_PAGED_SHARED_PREFIX] == (budget - prefix) // (
+        per_request - prefix)
+
+
+def test_vllm_prediction_through_the_cli(capsys):
+    out = run_json(capsys, "plan", "--model", "smollm2-135m", "--max-context", "8192",
+                   "--kv-budget-gib", "1", "--block-size", "128")
+    assert out[capacity.KV_CACHE_TOKENS] == 46_592
+    assert out[capacity.VLLM_MAX_CONCURRENCY] == round(364 / 64, 2)
+
+
+def test_table_states_figures_and_assumptions(capsys):
+    assert main(MAKE_PLAN) == 0
+    text = capsys.readouterr().out
+    assert "36,864 B" in text and "73,728 B" in text
+    assert "worst case: each reserves 131,072 tokens" in text
+    assert "paged: each holds 8,192 tokens" in text
+    assert "stays bf16 with mxfp4: embeddings, attention, router, norms, lm_head" in text
+    assert "utilisation 0.9" in text and "block size 16" in text and "reserve 2.00 GB" in text
+
+
+def test_model_from_a_directory_with_a_nested_config(tmp_path, capsys):
+    text = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "intermediate_size": 256, "vocab_size": 100,
+            "max_position_embeddings": 2048}
+    model = write_config(tmp_path / "tiny-vlm", {"model_type": "llava", "text_config": text})
+    out = run_json(capsys, "plan", "--model", str(model), "--kv-budget-gb", "1",
+                   "--context", "1024")
+    assert out[capacity.KV_BYTES_PER_TOKEN] == 2 * 1 * 32 * 2 * 2
+    assert out["inputs"]["max_context"] == 2048  # the model's maximum by default
+    assert out["inputs"]["model"] == "tiny-vlm"
+
+
+def test_block_size_comes_from_the_option(capsys):
+    small = run_json(capsys, *MAKE_PLAN, "--kv-budget-gb", "15", "--context", "8001")
+    large = run_json(capsys, *MAKE_PLAN, "--kv-budget-gb", "15", "--context", "8001",
+                     "--block-size", "128")
+    assert small[capacity.KV_BYTES_PER_REQUEST] == (8016 * 36_864 + 18 * 128 * 2048)
+    assert large[capacity.KV_BYTES_PER_REQUEST] == (8064 * 36_864 + 18 * 128 * 2048)
+
+
+def test_memory_given_instead_of_a_preset(capsys):
+    out = run_json(capsys, "plan", "--model", "smollm2-135m", "--max-context", "8192",
+                   "--memory-gb", "4", "--reserve-gb", "0.5", "--utilization", "0.5")
+    weights = out["weights_by_precision"]["bf16"]
+    assert out[capacity.KV_BUDGET_BYTES] == 2 * GB - weights - GB // 2
+    assert out["inputs"]["accelerator"] == "custom"
+
+
+# --- bad input ---------------------------------------------------------------------------------
+def test_config_without_a_needed_field_names_it(tmp_path, capsys):
+    model = write_config(tmp_path / "broken", {"num_hidden_layers": 2, "hidden_size": 64,
+                                               "vocab_size": 10})
+    err = run_error(capsys, "plan", "--model", str(model))
+    assert "num_attention_heads" in err and "broken" in err
+
+
+def test_unknown_accelerator_lists_the_known_ones(capsys):
+    err = run_error(capsys, "plan", "--model", "smollm2-135m", "--gpu", "tpu-v9")
+    assert "tpu-v9" in err
+    for name in known_accelerators():
+        assert name in err
+    assert {"h100-80gb", "h200-141gb", "a100-40gb", "a100-80gb", "l40s-48gb"} <= set(
+        known_accelerators())
+
+
+def test_context_longer_than_the_model_allows(capsys):
+    err = run_error(capsys, "plan", "--model", "smollm2-135m", "--max-context", "131072")
+    assert "131,072" in err and "8,192" in err and "--clamp-context" in err
+    out = run_json(capsys, "plan", "--model", "smollm2-135m", "--max-context", "131072",
+                   "--context", "8192", "--clamp-context")
+    assert out["inputs"]["max_context"] == 8192
+    assert any("clamped" in note for note in out["notes"])
+
+
+def test_weights_that_do_not_fit_say_by_how_much(capsys):
+    err = run_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "a100-40gb",
+                    "--max-context", "8192")
+    weights = capacity.estimate_weights(
+        capacity.parse_architecture(json.loads(
+            (PROJECT_ROOT / "configs/models/llama-3.1-70b/config.json").read_text())),
+        "bf16").total_bytes
+    short = weights + 2 * GB - int(get_accelerator("a100-40gb").memory_bytes * 0.9)
+    assert "do not fit" in err and f"by {short / GB:.2f} GB" in err
+
+
+@pytest.mark.parametrize("budget", ["0", "-3"])
+def test_zero_or_negative_budget(capsys, budget):
+    err = run_error(capsys, "plan", "--model", "smollm2-135m", "--max-context", "8192",
+                    "--kv-budget-gb", budget)
+    assert "must be positive" in err
+
+
+def test_unreachable_hub_falls_back_or_explains(monkeypatch, capsys):
+    monkeypatch.setattr(plan, "_from_hub", lambda repo: (None, "offline"))
+    out = run_json(capsys, "plan", "--model", "openai/gpt-oss-120b", "--kv-budget-gb", "15")
+    assert out[capacity.KV_BYTES_PER_TOKEN] == 36_864
+    err = run_error(capsys, "plan", "--model", "someone/unknown-model")
+    assert "offline" in err and "gpt-oss-120b" in err
+
+
+# --- plot --------------------------------------------------------------------------------------
+def test_plot_is_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "plan.png"
+    assert main([*MAKE_PLAN, "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(target) in capsys.readouterr().out
+
+
+def test_matplotlib_is_not_imported_without_a_plot():
+    code = ("import sys; from pipeline.cli import main; "
+            f"assert main({MAKE_PLAN!r} + ['--json']) == 0; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
