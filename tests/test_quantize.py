@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import baseline as baselines
-from pipeline import paths, quantize, recipes, tracking
+from pipeline import capacity, paths, quantize, recipes, tracking
 from pipeline.errors import OutputError, RecipeError
 
 from .conftest import run_cli
@@ -61,6 +61,12 @@ def test_every_recipe_quantizes_reloads_and_generates(
     assert manifest["baseline"]["identity"] == base.identity
     assert manifest["peak_rss_bytes"] > 0 and manifest["quantize_seconds"] > 0
     assert json.loads((out / quantize.MANIFEST).read_text()) == manifest
+
+    # The capacity planner predicts these bytes from config.json alone (issue: within 3%).
+    arch = capacity.parse_architecture(config)
+    planned = capacity.estimate_weights(
+        arch, name, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
+    assert abs(planned - manifest["weight_bytes"]) <= 0.03 * manifest["weight_bytes"]
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(out)
