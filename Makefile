@@ -17,6 +17,11 @@ CALIB_SAMPLES ?=
 CALIB_SEQ_LEN ?=
 CALIB_DATA    ?=
 PYTEST_ARGS   ?=
+# bench / eval
+WORKLOAD      ?=
+SUITE         ?=
+LIMIT         ?=
+REPEATS       ?=
 MLFLOW_PORT   ?= 5000
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
@@ -37,12 +42,13 @@ export QPIPE_SERVE_PYTHON := $(abspath $(SERVE_VENV))/bin/python
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
 QPIPE := $(VENV)/bin/qpipe
+ALL_RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 PIPELINE_STAMP := .stamps/pipeline
 SERVE_STAMP := .stamps/serve
 
 opt = $(if $(2),$(1) $(2))
 
-.PHONY: help setup quantize recipes baseline plan ui test lint clean
+.PHONY: help setup quantize recipes baseline bench eval gate suites plan ui test lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -64,10 +70,28 @@ baseline: $(PIPELINE_STAMP) ## resolve the baseline (converts the embedded GGUF 
 recipes: $(PIPELINE_STAMP) ## list and validate the recipes
 	@$(QPIPE) recipes
 
+# One process per recipe: peak memory is measured per variant, and llmcompressor's
+# session state starts fresh each time.
 quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4 (default: every recipe)
-	@$(QPIPE) quantize --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
-	  $(if $(FORCE),--force) $(call opt,--calib-samples,$(CALIB_SAMPLES)) \
-	  $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) $(call opt,--calib-data,$(CALIB_DATA))
+	@for recipe in $(or $(RECIPE),$(ALL_RECIPES)); do \
+	  $(QPIPE) quantize --baseline $(BASELINE) --recipe $$recipe $(if $(FORCE),--force) \
+	    $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
+	    $(call opt,--calib-data,$(CALIB_DATA)) || exit $$?; \
+	done
+
+bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (default: baseline and every variant on disk)
+	@$(QPIPE) bench --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
+	  $(call opt,--workload,$(WORKLOAD)) $(call opt,--repeats,$(REPEATS)) $(if $(FORCE),--force)
+
+eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
+	@$(QPIPE) eval --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
+	  $(call opt,--suite,$(SUITE)) $(call opt,--limit,$(LIMIT)) $(if $(FORCE),--force)
+
+gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
+	@$(QPIPE) gate --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE))
+
+suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
+	@$(QPIPE) suites
 
 plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS KV_DTYPE [JSON=1 PLOT=f.png]
 	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --weights $(WEIGHTS) \

@@ -19,7 +19,11 @@ from pipeline.errors import Interrupted, QpipeError
 COMMANDS: dict[str, tuple[str, str]] = {
     "baseline": ("pipeline.baseline", "resolve the baseline model (convert the embedded one once)"),
     "recipes": ("pipeline.recipes", "list the recipes and validate them"),
-    "quantize": ("pipeline.quantize", "quantize the baseline with recipes (llmcompressor oneshot)"),
+    "quantize": ("pipeline.quantize", "quantize the baseline with a recipe (llmcompressor)"),
+    "bench": ("pipeline.bench", "serve variants through vLLM and load-test them"),
+    "eval": ("pipeline.evaluate", "score the baseline and variants with lm-eval; percent recovery"),
+    "gate": ("pipeline.gate", "fail if a variant's recovery falls below its recipe's threshold"),
+    "suites": ("pipeline.suites", "list and validate the lm-eval task suites in evals/"),
     "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
     "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
 }
