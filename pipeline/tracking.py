@@ -68,14 +68,38 @@ def log_run(
     metrics: Mapping[str, float],
     tags: Mapping[str, str] | None = None,
     artifacts: list[Path] | None = None,
+    stepped: list[tuple[str, float, int]] | None = None,
 ) -> str:
-    """Log one finished run in the baseline's experiment; returns its id."""
+    """Log one finished run in the baseline's experiment; returns its id.
+
+    ``stepped`` holds (metric, value, step) for sweeps: the step is the load point.
+    """
     mlflow = _mlflow()
     mlflow.set_experiment(experiment_name(baseline_name))
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
     with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
         mlflow.log_params(dict(params))
         mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
+        for name, value, step in stepped or []:
+            mlflow.log_metric(name, float(value), step=step)
         for artifact in artifacts or []:
             mlflow.log_artifact(str(artifact))
         return run.info.run_id
+
+
+# bench (per variant and load point; the first workload's names are plain, others prefixed)
+OUTPUT_TOKENS_PER_S = "output_tokens_per_s"
+REQUESTS_PER_S = "requests_per_s"
+TTFT_MS_P50 = "ttft_ms_p50"
+TTFT_MS_P99 = "ttft_ms_p99"
+ITL_MS_P50 = "itl_ms_p50"
+ITL_MS_P99 = "itl_ms_p99"
+E2E_MS_P50 = "e2e_ms_p50"
+SPEEDUP = "speedup"  # variant output_tokens_per_s / baseline's, same load point, same invocation
+KV_CACHE_TOKENS = "kv_cache_tokens"  # as the engine reports it
+MAX_CONCURRENCY = "max_concurrency"  # the engine's figure for max_model_len tokens per request
+KV_CACHE_TOKENS_VS_PLANNED = "kv_cache_tokens_vs_planned"  # reported / planner's prediction
+MAX_CONCURRENCY_VS_PLANNED = "max_concurrency_vs_planned"
+PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"  # hit tokens / queried tokens during the run
+PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off / on
+SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree, or GPU memory

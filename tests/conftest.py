@@ -39,13 +39,13 @@ def _train_tokenizer(out: Path) -> None:
 
 
 def make_tiny_llama(out: Path, hidden: int = 128, seed: int = 0) -> Path:
-    """A 2-layer Llama (~0.4 M params) with random weights and a BPE tokenizer trained here."""
+    """A 2-layer Llama (head_dim 64, as vLLM CPU kernels expect) with a BPE tokenizer made here."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                          pad_token_id=2, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

