@@ -22,6 +22,9 @@ WORKLOAD      ?=
 SUITE         ?=
 LIMIT         ?=
 REPEATS       ?=
+MAX_MODEL_LEN ?=
+KV_CACHE_GIB  ?=
+GPU_UTIL      ?=
 MLFLOW_PORT   ?= 5000
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
@@ -80,15 +83,17 @@ quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4
 	done
 
 bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (default: baseline and every variant on disk)
-	@$(QPIPE) bench --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
-	  $(call opt,--workload,$(WORKLOAD)) $(call opt,--repeats,$(REPEATS)) $(if $(FORCE),--force)
+	@$(QPIPE) bench --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
+	  $(foreach w,$(WORKLOAD),--workload $(w)) $(call opt,--repeats,$(REPEATS)) \
+	  $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
+	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(if $(FORCE),--force)
 
 eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
-	@$(QPIPE) eval --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE)) \
+	@$(QPIPE) eval --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(call opt,--suite,$(SUITE)) $(call opt,--limit,$(LIMIT)) $(if $(FORCE),--force)
 
 gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
-	@$(QPIPE) gate --baseline $(BASELINE) $(if $(RECIPE),--recipe $(RECIPE))
+	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r))
 
 suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
 	@$(QPIPE) suites

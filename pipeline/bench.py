@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import select
 import statistics
 import subprocess
 import time
@@ -81,35 +82,75 @@ def models_for(base: baselines.Baseline, recipes: list[str] | None) -> list[Mode
 
 
 # --- one load point -----------------------------------------------------------------------
-def run_client(server: VllmServer, model: Model, workload: Workload, concurrency: int,
-               out_dir: Path, tag: str) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against ``server``; returns its saved result JSON."""
+class BenchClient:
+    """vLLM's benchmark client, kept loaded in one process of the serving environment.
+
+    Each :meth:`run` is exactly ``vllm bench serve ARGS`` (vLLM's own parser and ``main``);
+    only the import of vLLM is shared between runs.
+    """
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as stderr:
+            self.proc = subprocess.Popen(
+                [str(serve_python()), str(Path(__file__).with_name("vllm_bench_worker.py"))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                env=env, start_new_session=True)
+        self._answer(timeout=300)  # {"ready": true} once vLLM is imported
+
+    def __enter__(self) -> BenchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _answer(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            raise ServeError("vLLM's benchmark client " + (
+                f"exited (code {code})" if code is not None else f"gave no answer in {timeout} s")
+                + f"; see {self.log}.")
+        return json.loads(line)
+
+    def run(self, argv: list[str], log: Path, timeout: float = CLIENT_TIMEOUT_S) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer(timeout)
+        if not answer.get("ok"):
+            raise ServeError(f"vllm bench serve failed: {answer.get('error')}. Log: {log}")
+
+
+def client_argv(server: VllmServer, model: Model, workload: Workload, concurrency: int,
+                out_dir: Path, tag: str) -> list[str]:
+    """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand)."""
+    return ["--backend", "vllm", "--base-url", server.base_url, "--endpoint", "/v1/completions",
+            "--model", server.served_name, "--tokenizer", str(model.path),
+            *workload.client_args(concurrency), "--save-result", "--result-dir", str(out_dir),
+            "--result-filename", f"{tag}.json", "--disable-tqdm"]
+
+
+def run_client(client: BenchClient, server: VllmServer, model: Model, workload: Workload,
+               concurrency: int, out_dir: Path, tag: str) -> dict[str, Any]:
+    """One load point against ``server``; returns vLLM's saved result JSON."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    filename = f"{tag}.json"
-    cmd = [str(serve_python().parent / "vllm"), "bench", "serve", "--backend", "vllm",
-           "--base-url", server.base_url, "--endpoint", "/v1/completions",
-           "--model", server.served_name, "--tokenizer", str(model.path),
-           *workload.client_args(concurrency), "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", filename, "--disable-tqdm"]
-    log_path = out_dir / f"{tag}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=server.environment())
-        try:
-            proc.wait(CLIENT_TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    log = out_dir / f"{tag}.log"
+    try:
+        client.run(client_argv(server, model, workload, concurrency, out_dir, tag), log)
+    except ServeError:
+        server.check_alive()  # a dead server is the better explanation
+        raise
     server.check_alive()
-    result = read_json(out_dir / filename)
-    if proc.returncode != 0 or not result:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-        raise ServeError(f"vllm bench serve failed against {model.name} (exit {proc.returncode})"
-                         f": {' | '.join(tail)}. Log: {log_path}")
+    result = read_json(out_dir / f"{tag}.json")
     if result.get("failed"):
         raise ServeError(f"{result['failed']} of {result['num_prompts']} requests to "
-                         f"{model.name} failed. Client log: {log_path}; server log: "
+                         f"{model.name} failed. Client log: {log}; server log: "
                          f"{server.log_path}")
     return result
 
@@ -166,7 +207,7 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
             try:
                 live[model.name] = stack.enter_context(server)
             except UnsupportedFormat as err:
-                record.status, record.reason = "unsupported", str(err)
+                record.status, record.reason = "unsupported", err.reason
                 print(f"[bench] {model.name}: unsupported here: {err}", flush=True)
                 continue
             print(f"[bench] {model.name} is up in {time.monotonic() - started:.0f} s "
@@ -201,32 +242,40 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
 
 
 def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str, ModelRecord],
-             settings: EngineSettings, out: Path, caching: bool) -> None:
+             settings: EngineSettings, out: Path, logs: Path, caching: bool) -> None:
+    """Every workload, repeat and load point, the models of a group back to back."""
     label = "cache-on" if caching else "cache-off"
     run_settings = dataclasses.replace(settings, enable_prefix_caching=caching)
     todo = [w for w in loads if caching or w.compare_prefix_caching]
+    steps = [(w, r, c) for w in todo for r in range(w.repeats) for c in w.load_points]
     for group in groups:
-        with _servers(group, records, run_settings, out, label) as live:
-            for name, server in live.items():
-                if caching:
-                    _record_kv(records[name], server, run_settings)
-            steps = [(w, r, c) for w in todo for r in range(w.repeats) for c in w.load_points]
-            for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
+        with _servers(group, records, run_settings, logs, label) as live:
+            if not live or not steps:
+                continue
+            if caching:
                 for name, server in live.items():
-                    record = records[name]
+                    _record_kv(records[name], server, run_settings)
+            env = next(iter(live.values())).environment()
+            with BenchClient(env, logs / "bench-client.log") as client:
+                for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
                     key = workload.name if caching else f"{workload.name}_nocache"
-                    print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency {concurrency} "
-                          f"repeat {repeat + 1}/{workload.repeats}", flush=True)
-                    before = engine_metrics.prefix_cache_counters(
-                        engine_metrics.parse(server.metrics_text()))
-                    result = run_client(server, record.model, workload, concurrency,
-                                        out / "runs", f"{name}-{key}-c{concurrency}-r{repeat}")
-                    after = engine_metrics.prefix_cache_counters(
-                        engine_metrics.parse(server.metrics_text()))
-                    record.runs.setdefault(key, {}).setdefault(concurrency, []).append(result)
-                    counters = record.prefix_counters.setdefault(key, [0.0, 0.0])
-                    counters[0] += after[0] - before[0]
-                    counters[1] += after[1] - before[1]
+                    for name, server in live.items():
+                        print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency "
+                              f"{concurrency} repeat {repeat + 1}/{workload.repeats}", flush=True)
+                        _load_point(client, server, records[name], workload, concurrency,
+                                    out / "runs", key, repeat)
+
+
+def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, workload: Workload,
+                concurrency: int, out: Path, key: str, repeat: int) -> None:
+    before = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    result = run_client(client, server, record.model, workload, concurrency, out,
+                        f"{record.model.name}-{key}-c{concurrency}-r{repeat}")
+    after = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    record.runs.setdefault(key, {}).setdefault(concurrency, []).append(result)
+    counters = record.prefix_counters.setdefault(key, [0.0, 0.0])
+    counters[0] += after[0] - before[0]
+    counters[1] += after[1] - before[1]
 
 
 # --- summary ------------------------------------------------------------------------------
@@ -314,7 +363,8 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         tracking.log_run(
             base.name, STAGE, f"bench:{name}", params, metrics,
             tags={tracking.TAG_CACHE_KEY: key, "serving_status": entry["status"]},
-            artifacts=[out / "summary.json", *sorted(out.glob(f"server-{name}-*.log"))],
+            artifacts=[out / "summary.json",
+                       *sorted((out.parent / "logs" / key).glob(f"server-{name}-*.log"))],
             stepped=stepped)
 
 
@@ -330,9 +380,8 @@ def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
         for name, entry in summary.items():
             if entry["status"] != "ok":
                 where = SERVED_ON.get(entry["format"], "a GPU build of vLLM")
-                lines.append(f"  {name:10s} unsupported on this hardware: "
-                             f"{entry['reason'].split('(exit')[-1][:110]}\n"
-                             f"  {'':10s} served on: {where}")
+                lines.append(f"  {name:10s} unsupported on this hardware ({entry['format']}): "
+                             f"{entry['reason']}\n  {'':10s} served on: {where}")
                 continue
             stats = entry["workloads"].get(workload.name, {}).get("points", {}).get(head)
             if not stats:
@@ -382,10 +431,12 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     else:
         records = {m.name: ModelRecord(m) for m in models}
         groups = [models] if target == "cpu" else [[m] for m in models]
+        # Server logs live outside the temp dir: a failed run's logs stay where errors point.
+        logs = out.parent / "logs" / key
         with atomic_dir(out) as tmp:
-            _measure(groups, loads, records, settings, tmp, caching=True)
+            _measure(groups, loads, records, settings, tmp, logs, caching=True)
             if any(w.compare_prefix_caching for w in loads):
-                _measure(groups, loads, records, settings, tmp, caching=False)
+                _measure(groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),

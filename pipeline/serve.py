@@ -42,6 +42,10 @@ UNSUPPORTED_PATTERNS = (
 class ServeError(QpipeError):
     """The engine failed to start, died mid-run, or never became healthy."""
 
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message  # the engine's own words, for tables and MLflow
+
 
 class UnsupportedFormat(ServeError):
     """The engine cannot serve this checkpoint's format on this hardware."""
@@ -109,8 +113,9 @@ def failure_reason(log_text: str) -> tuple[str, bool]:
 
 def _strip_log_prefix(line: str) -> str:
     # "(EngineCore pid=12) ERROR 11-29 09:40:01 [core.py:12] ValueError: ..." -> "ValueError: ..."
-    return re.sub(r"^(\(.*?\)\s*)?(ERROR|WARNING|INFO)?\s*(\d\d-\d\d [\d:]+\s*)?(\[.*?\]\s*)?",
+    bare = re.sub(r"^(\(.*?\)\s*)?(ERROR|WARNING|INFO)?\s*(\d\d-\d\d [\d:]+\s*)?(\[.*?\]\s*)?",
                   "", line).strip() or line
+    return re.sub(r"\s*Reasons:\s*$", "", bare).rstrip(": .")
 
 
 class VllmServer:
@@ -195,7 +200,7 @@ class VllmServer:
                 reason, unsupported = failure_reason(self.log_text())
                 kind = UnsupportedFormat if unsupported else ServeError
                 raise kind(f"vLLM could not serve {self.model_dir} (exit {self.proc.returncode}): "
-                           f"{reason.rstrip(': ')}. Full log: {self.log_path}")
+                           f"{reason}. Full log: {self.log_path}", reason=reason)
             if self.healthy():
                 return
             time.sleep(1)
@@ -215,7 +220,7 @@ class VllmServer:
             reason, _ = failure_reason(self.log_text())
             code = self.proc.returncode if self.proc else None
             raise ServeError(f"the vLLM server for {self.served_name} died (exit {code}): "
-                             f"{reason.rstrip(': ')}. Log: {self.log_path}")
+                             f"{reason}. Log: {self.log_path}")
 
     def log_text(self) -> str:
         try:
