@@ -32,6 +32,10 @@ from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmSe
 from pipeline.workloads import Workload
 
 STAGE = "bench"
+# Every load point is logged as a step (step = concurrency) under "sweep.<metric>"; the plain
+# name holds the headline load point's figure (MLflow shows a metric's highest step as its
+# value, so the two cannot share a name).
+SWEEP = "sweep."
 BASELINE_RECIPE = "none"
 CLIENT_TIMEOUT_S = 1800
 # Which hardware serves a format that this machine's engine rejected.
@@ -341,7 +345,8 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
                     continue
                 for concurrency, stats in data["points"].items():
                     for metric, value in stats.items():
-                        stepped.append((f"{prefix}{suffix}{metric}", value, int(concurrency)))
+                        stepped.append((f"{SWEEP}{prefix}{suffix}{metric}", value,
+                                        int(concurrency)))
                         if int(concurrency) == workload.headline:
                             metrics[f"{prefix}{suffix}{metric}"] = value
                 if not suffix:
@@ -459,7 +464,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="override every workload's repeats")
     parser.add_argument("--force", action="store_true", help="re-measure even if unchanged")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_space_gib,
+    parser.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_space_gib,
                         help="CPU: VLLM_CPU_KVCACHE_SPACE (%(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         default=defaults.gpu_memory_utilization)

@@ -57,7 +57,7 @@ class EngineSettings:
 
     max_model_len: int = 2048
     dtype: str = "bfloat16"
-    kv_cache_space_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_space_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB, as vLLM reads it)
     gpu_memory_utilization: float = 0.9  # CUDA
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
@@ -106,9 +106,13 @@ def failure_reason(log_text: str) -> tuple[str, bool]:
         for line in reversed(lines):
             if re.search(pattern, line) and not line.startswith(("File ", "^")):
                 return _strip_log_prefix(line), True
-    errors = [ln for ln in lines if re.search(r"(Error|Exception)\b.*:", ln)]
-    last = errors[-1] if errors else (lines[-1] if lines else "no output")
-    return _strip_log_prefix(last), False
+    errors = [i for i, ln in enumerate(lines) if re.search(r"(Error|Exception)\b.*:", ln)]
+    if not errors:
+        return (lines[-1] if lines else "no output"), False
+    reason = _strip_log_prefix(lines[errors[-1]])
+    if re.search(r"validation errors? for \w+$", reason) and errors[-1] + 1 < len(lines):
+        reason += ": " + _strip_log_prefix(lines[errors[-1] + 1])  # pydantic: the detail follows
+    return reason, False
 
 
 def _strip_log_prefix(line: str) -> str:
@@ -161,7 +165,7 @@ class VllmServer:
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         if self.target == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.settings.kv_cache_space_gib:g}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.kv_cache_space_gib))
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # ~20% faster on 2 cores
         return env
 

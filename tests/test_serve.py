@@ -142,10 +142,14 @@ def test_failure_reason_prefers_the_kernel_line_over_the_traceback() -> None:
     assert unsupported and reason.startswith("ValueError: Failed to find a kernel")
     reason, unsupported = failure_reason("RuntimeError: boom: no memory\n")
     assert not unsupported and reason == "RuntimeError: boom: no memory"
+    reason, _ = failure_reason("pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                               "  Value error, invalid literal for int(): '0.25'\n")
+    assert reason.endswith("VllmConfig: Value error, invalid literal for int(): '0.25'")
 
 
 def test_cpu_and_gpu_commands_differ_only_where_they_must(tmp_path: Path) -> None:
-    settings = EngineSettings(max_model_len=512, kv_cache_space_gib=2, enable_prefix_caching=False)
+    settings = EngineSettings(max_model_len=512, kv_cache_space_gib=2,
+                              enable_prefix_caching=False)
     cpu = VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cpu")
     gpu = VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cuda")
     assert "--no-enable-prefix-caching" in cpu.command()
