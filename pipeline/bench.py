@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import select
+import shlex
 import statistics
 import subprocess
 import time
@@ -172,6 +173,7 @@ class ModelRecord:
     # workload -> load point -> list of client results (one per repeat)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = dataclasses.field(default_factory=dict)
     prefix_counters: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    serve_command: str = ""  # to reproduce by hand (README)
 
 
 def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSettings,
@@ -208,6 +210,10 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
             started = time.monotonic()
             server = VllmServer(model.path, model.name, settings,
                                 logs / f"server-{model.name}-{label}.log")
+            if settings.enable_prefix_caching:
+                cpu_env = [f"{k}={v}" for k, v in server.environment().items()
+                           if k.startswith("VLLM_CPU")]
+                record.serve_command = shlex.join([*cpu_env, *server.command()])
             try:
                 live[model.name] = stack.enter_context(server)
             except UnsupportedFormat as err:
@@ -289,6 +295,7 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
     summary: dict[str, Any] = {}
     for name, record in records.items():
         entry: dict[str, Any] = {"recipe": record.model.recipe, "status": record.status,
+                                 "serve_command": record.serve_command,
                                  "reason": record.reason, "format": record.model.format,
                                  "kv": record.kv, "peak_memory_bytes": record.peak_memory_bytes,
                                  "workloads": {}}
@@ -327,6 +334,14 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
     return summary
 
 
+def _points_by_int(summary: dict[str, Any]) -> dict[str, Any]:
+    """JSON turns the load-point keys into strings; give them back their int."""
+    for entry in summary.values():
+        for data in entry["workloads"].values():
+            data["points"] = {int(k): v for k, v in data["points"].items()}
+    return summary
+
+
 def metric_prefix(workload: Workload, loads: list[Workload]) -> str:
     """The first workload's metrics carry plain names; the others are prefixed by theirs."""
     return "" if workload is loads[0] else f"{workload.name}."
@@ -361,6 +376,8 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
                   "serve_target": target, "vllm": _vllm_version(), **settings.as_params()}
+        if entry.get("serve_command"):
+            params["serve_command"] = entry["serve_command"][:5000]
         if entry["status"] != "ok":
             params["serving_reason"] = entry["reason"][:500]
             metrics = {}
@@ -432,7 +449,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     if cached and not force:
         print(f"[bench] unchanged since the last measurement ({out}); reusing it "
               "(FORCE=1 re-measures).")
-        summary = cached["models"]
+        summary = _points_by_int(cached["models"])
     else:
         records = {m.name: ModelRecord(m) for m in models}
         groups = [models] if target == "cpu" else [[m] for m in models]

@@ -14,7 +14,8 @@ def test_shipped_workloads_load_and_describe_a_client_run() -> None:
     assert chat.repeats >= 3
     args = chat.client_args(16)
     assert args[args.index("--max-concurrency") + 1] == "16"
-    assert args[args.index("--num-prompts") + 1] == str(max(chat.min_prompts, 4 * 16))
+    assert args[args.index("--num-prompts") + 1] == str(
+        max(chat.min_prompts, chat.prompts_per_concurrency * 16))
     assert args[args.index("--seed") + 1] == str(chat.seed)
     prefix = workloads.load("prefix")
     assert prefix.compare_prefix_caching and prefix.prefix_len % 128 == 0
