@@ -16,6 +16,20 @@ CONFIGS_DIR = PROJECT_ROOT / "configs"
 CALIBRATION_DIR = RECIPES_DIR / "calibration"
 
 
+def find_yaml(name_or_path: str, directory: Path) -> Path | None:
+    """A YAML file given by path, or by name (stem) in ``directory``; None if neither exists."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    named = directory / f"{name_or_path}.yaml"
+    return named if named.is_file() else None
+
+
+def yaml_names(directory: Path) -> list[str]:
+    """The names (stems) of the YAML files in ``directory``."""
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
 def artifacts_dir() -> Path:
     """Root of generated state (baselines, variants, caches); git-ignored."""
     return Path(os.environ.get("QPIPE_ARTIFACTS", PROJECT_ROOT / "artifacts")).expanduser()

@@ -59,17 +59,14 @@ class RecipeFile:
 
 def available(recipes_dir: Path = paths.RECIPES_DIR) -> list[str]:
     """Names of the recipes in ``recipes/`` (file stems)."""
-    return sorted(p.stem for p in recipes_dir.glob("*.yaml"))
+    return paths.yaml_names(recipes_dir)
 
 
 def find(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> Path:
     """A recipe name (``fp8``) or a path to a recipe file."""
-    candidate = Path(name_or_path).expanduser()
-    if candidate.suffix in (".yaml", ".yml") and candidate.is_file():
-        return candidate.resolve()
-    named = recipes_dir / f"{name_or_path}.yaml"
-    if named.is_file():
-        return named
+    found = paths.find_yaml(name_or_path, recipes_dir)
+    if found:
+        return found
     names = ", ".join(available(recipes_dir)) or "(none)"
     raise RecipeError(
         f"unknown recipe {name_or_path!r}: the recipes in {recipes_dir} are {names}. "

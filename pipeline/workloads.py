@@ -82,13 +82,10 @@ REQUIRED = {"random": ("input_len", "output_len"),
 
 
 def find(name_or_path: str) -> Path:
-    path = Path(name_or_path).expanduser()
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path.resolve()
-    named = WORKLOADS_DIR / f"{name_or_path}.yaml"
-    if named.is_file():
-        return named
-    known = ", ".join(sorted(p.stem for p in WORKLOADS_DIR.glob("*.yaml")))
+    found = paths.find_yaml(name_or_path, WORKLOADS_DIR)
+    if found:
+        return found
+    known = ", ".join(paths.yaml_names(WORKLOADS_DIR))
     raise ConfigError(f"unknown workload {name_or_path!r}: the workloads in {WORKLOADS_DIR} are "
                       f"{known}. Set WORKLOAD= to one of them or to a workload YAML file.")
 
