@@ -103,3 +103,20 @@ MAX_CONCURRENCY_VS_PLANNED = "max_concurrency_vs_planned"
 PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"  # hit tokens / queried tokens during the run
 PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off / on
 SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree, or GPU memory
+
+# evaluate. Scores are "<task>.<metric>": app_facts.acc, qpipe_gsm8k.exact_match/strict-match
+RECOVERY_PREFIX = "recovery_pct."  # + task: variant / baseline score x 100 (the task's metric)
+RECOVERY_CI_LOW_PREFIX = "recovery_pct_ci_low."  # + task: paired bootstrap 95% interval
+RECOVERY_CI_HIGH_PREFIX = "recovery_pct_ci_high."
+FLIP_RATE_PREFIX = "flip_rate."  # + task: share of items whose correctness changed either way
+FLIPS_PREFIX = "flips."  # + task: their count
+SUITE_RECOVERY_PREFIX = "suite_recovery_pct."  # + suite: mean of its tasks' recoveries
+RECOVERY_PCT = "recovery_pct"  # mean of the per-task recoveries (tasks above chance only)
+RECOVERY_PCT_CI_LOW = "recovery_pct_ci_low"
+RECOVERY_PCT_CI_HIGH = "recovery_pct_ci_high"
+KL_DIV_MEAN = "kl_div_mean"  # held-out text, nats per token, KL(baseline || variant)
+TOP1_AGREEMENT = "top1_agreement"
+PERPLEXITY = "perplexity"
+TAG_EVAL_BACKEND = "eval_backend"  # served (vLLM endpoint) | emulated (hf, de-compressed)
+TAG_DIVERGENCE_BACKEND = "divergence_backend"
+TAG_NOT_MEANINGFUL = "not_meaningful"  # tasks whose baseline is within noise of chance

@@ -1,0 +1,132 @@
+"""Distribution check without labels: how far a variant's next-token distribution moves.
+
+On held-out text (``evals/_heldout/heldout.txt``, written for qpipe; it shares nothing with the
+calibration data), both models predict every next token; per token we take
+KL(baseline || variant), whether their top-1 tokens agree, and the log-likelihood of the
+actual token (perplexity). Computed with transformers in the pipeline environment, so the
+variant runs on de-compressed weights: this is an emulated figure, not the served one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+from pipeline.errors import ConfigError
+
+HELDOUT = paths.EVALS_DIR / "_heldout" / "heldout.txt"
+SEQ_LEN = 512
+BACKEND = "hf (transformers, de-compressed weights)"
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Per-token figures averaged over every predicted token of the held-out text."""
+
+    tokens: int
+    kl_div_mean: float  # nats per token, KL(baseline || variant)
+    top1_agreement: float  # share of tokens where both models' most likely token is the same
+    perplexity: float  # the variant's
+    baseline_perplexity: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def heldout_text(path: Path = HELDOUT) -> str:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the held-out text ({err.strerror}). Fix: restore "
+                          "it from git, or pass another text file.") from None
+    if len(text.split()) < 50:
+        raise ConfigError(f"{path}: the held-out text has fewer than 50 words. Fix: use a text "
+                          "of at least a few hundred words.")
+    return text
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def windows(token_ids: list[int], seq_len: int = SEQ_LEN) -> list[list[int]]:
+    """Consecutive windows of at most ``seq_len`` tokens; each predicts its tokens 2..n."""
+    out = [token_ids[i:i + seq_len] for i in range(0, len(token_ids), seq_len)]
+    return [w for w in out if len(w) >= 2]
+
+
+def load_model(model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def _log_probs(model: Any, ids: list[int]) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def token_stats(base_lp: Any, var_lp: Any, targets: Any) -> dict[str, Any]:
+    """Per-position KL(base || var), top-1 agreement and both models' NLL of ``targets``."""
+    kl = (base_lp.exp() * (base_lp - var_lp)).sum(-1)
+    agree = base_lp.argmax(-1) == var_lp.argmax(-1)
+    idx = targets.unsqueeze(-1)
+    return {"kl": kl, "agree": agree, "nll_base": -base_lp.gather(-1, idx).squeeze(-1),
+            "nll_var": -var_lp.gather(-1, idx).squeeze(-1)}
+
+
+def compare(baseline: Any, variant: Any, tokenizer: Any, text: str,
+            seq_len: int = SEQ_LEN) -> Divergence:
+    """KL, top-1 agreement and perplexities of two loaded models on ``text``."""
+    import torch
+
+    ids = tokenizer(text, add_special_tokens=True).input_ids
+    kl_sum = agree_sum = nll_base = nll_var = 0.0
+    count = 0
+    for window in windows(ids, seq_len):
+        stats = token_stats(_log_probs(baseline, window), _log_probs(variant, window),
+                            torch.tensor(window[1:]))
+        kl_sum += float(stats["kl"].clamp_min(0).sum())
+        agree_sum += float(stats["agree"].sum())
+        nll_base += float(stats["nll_base"].sum())
+        nll_var += float(stats["nll_var"].sum())
+        count += len(window) - 1
+    if count == 0:
+        raise ConfigError("the held-out text tokenizes to fewer than 2 tokens. Fix: use a longer "
+                          "text.")
+    return Divergence(tokens=count, kl_div_mean=kl_sum / count, top1_agreement=agree_sum / count,
+                      perplexity=math.exp(nll_var / count),
+                      baseline_perplexity=math.exp(nll_base / count))
+
+
+def measure(baseline_dir: Path, variant_dir: Path, cache_file: Path | None = None,
+            text_path: Path = HELDOUT, seq_len: int = SEQ_LEN) -> Divergence:
+    """``compare`` on model directories, cached in ``cache_file`` when given."""
+    from transformers import AutoTokenizer
+
+    if cache_file is not None and cache_file.is_file():
+        return Divergence(**json.loads(cache_file.read_text()))
+    text = heldout_text(text_path)
+    tokenizer = AutoTokenizer.from_pretrained(baseline_dir)
+    base = load_model(baseline_dir)
+    var = base if variant_dir.resolve() == baseline_dir.resolve() else load_model(variant_dir)
+    if var.config.vocab_size != base.config.vocab_size:
+        raise ConfigError(f"{variant_dir} has a vocabulary of {var.config.vocab_size} tokens and "
+                          f"the baseline {base.config.vocab_size}: their distributions cannot be "
+                          "compared. Fix: compare a variant of this baseline.")
+    result = compare(base, var, tokenizer, text, seq_len)
+    if cache_file is not None:
+        from pipeline.fsutil import write_json_atomic
+
+        write_json_atomic(cache_file, result.as_dict())
+    return result

@@ -1,0 +1,87 @@
+"""KL divergence, top-1 agreement and perplexity: hand-computed cases, then tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipeline import divergence
+from pipeline.errors import ConfigError
+
+from .conftest import make_tiny_llama
+
+
+def _log(probs: list[list[float]]):  # -> a torch tensor
+    import torch
+
+    return torch.tensor(probs).log()
+
+
+def test_token_stats_match_hand_computed_values() -> None:
+    import torch
+
+    base = _log([[0.5, 0.5], [0.8, 0.2]])
+    var = _log([[0.9, 0.1], [0.8, 0.2]])
+    stats = divergence.token_stats(base, var, torch.tensor([1, 0]))
+    # KL(p || q) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5108; identical rows: 0
+    assert stats["kl"].tolist() == pytest.approx([0.5108256, 0.0], abs=1e-6)
+    # row 0: argmax 0 vs 0 (ties break to the first index in torch) -> agree; row 1 agrees
+    assert stats["agree"].tolist() == [True, True]
+    # NLL of the actual tokens: -ln 0.5, -ln 0.8 (baseline); -ln 0.1, -ln 0.8 (variant)
+    assert stats["nll_base"].tolist() == pytest.approx([math.log(2), -math.log(0.8)], abs=1e-6)
+    assert stats["nll_var"].tolist() == pytest.approx([-math.log(0.1), -math.log(0.8)], abs=1e-6)
+    disagree = divergence.token_stats(_log([[0.6, 0.4]]), _log([[0.3, 0.7]]), torch.tensor([0]))
+    assert disagree["agree"].tolist() == [False]
+
+
+def test_windows_cover_every_token_once() -> None:
+    ids = list(range(10))
+    assert divergence.windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # a last window of one token predicts nothing
+    assert divergence.windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_heldout_text_is_there_and_checked(tmp_path: Path) -> None:
+    assert len(divergence.heldout_text().split()) > 1000
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ConfigError, match="fewer than 50 words"):
+        divergence.heldout_text(short)
+
+
+@pytest.mark.slow
+def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    other = make_tiny_llama(tmp_path / "other", seed=1)
+    text = " ".join(divergence.heldout_text().split()[:300])  # a short text keeps it quick
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(text)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    a = divergence.load_model(tiny_model)
+    same = divergence.compare(a, a, tokenizer, text, seq_len=128)
+    assert same.kl_div_mean == pytest.approx(0.0, abs=1e-6)
+    assert same.top1_agreement == 1.0
+    assert same.perplexity == pytest.approx(same.baseline_perplexity)
+
+    # perplexity by hand over the same windows
+    ids = tokenizer(text).input_ids
+    nll, count = 0.0, 0
+    for window in divergence.windows(ids, 128):
+        with torch.inference_mode():
+            lp = torch.log_softmax(a(torch.tensor([window])).logits[0, :-1].float(), -1)
+        nll -= float(lp.gather(-1, torch.tensor(window[1:]).unsqueeze(-1)).sum())
+        count += len(window) - 1
+    assert same.tokens == count
+    assert same.perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+    cache = tmp_path / "div.json"
+    diff = divergence.measure(tiny_model, other, cache, text_path=text_file, seq_len=128)
+    assert diff.kl_div_mean > 0.01 and diff.top1_agreement < 1.0
+    assert diff.baseline_perplexity == pytest.approx(same.baseline_perplexity, rel=1e-3)
+    assert json.loads(cache.read_text()) == diff.as_dict()
+    assert divergence.measure(tiny_model, other, cache) == diff  # read from the cache

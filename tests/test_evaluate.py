@@ -1,0 +1,226 @@
+"""qpipe eval: per-sample scores, caching, MLflow, the served path, equality with lm_eval."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import baseline as baselines
+from pipeline import evaluate, paths, quantize, recipes, suites, tracking
+from pipeline.errors import ConfigError
+
+from .conftest import run_cli
+
+MC_SAMPLES = [  # the shape of lm-eval 0.4.13's per-sample records (log_samples)
+    {"doc_id": 0, "filter": "none", "metrics": ["acc", "acc_norm"], "acc": 1.0, "acc_norm": 1.0,
+     "arguments": [["q", " a"], ["q", " b"]]},
+    {"doc_id": 1, "filter": "none", "metrics": ["acc", "acc_norm"], "acc": 0.0, "acc_norm": 1.0,
+     "arguments": [["q", " a"], ["q", " b"], ["q", " c"], ["q", " d"]]},
+]
+GEN_SAMPLES = [
+    {"doc_id": 0, "filter": "strict-match", "metrics": ["exact_match"], "exact_match": 1.0,
+     "arguments": [["q", {"until": ["\n"]}]]},
+    {"doc_id": 0, "filter": "flexible-extract", "metrics": ["exact_match"], "exact_match": 0.0,
+     "arguments": [["q", {"until": ["\n"]}]]},
+]
+
+
+def test_per_item_scores_and_chance_levels() -> None:
+    scores, chance = evaluate.per_item_scores(MC_SAMPLES, "multiple_choice")
+    assert scores == {"acc,none": {"0": 1.0, "1": 0.0}, "acc_norm,none": {"0": 1.0, "1": 1.0}}
+    assert chance["acc,none"] == pytest.approx((1 / 2 + 1 / 4) / 2)
+    scores, chance = evaluate.per_item_scores(GEN_SAMPLES, "generate_until")
+    assert scores == {"exact_match,strict-match": {"0": 1.0},
+                      "exact_match,flexible-extract": {"0": 0.0}}
+    assert chance == {"exact_match,strict-match": 0.0, "exact_match,flexible-extract": 0.0}
+
+
+def test_metric_names_are_valid_mlflow_names() -> None:
+    assert evaluate.metric_name("app_facts", "acc,none") == "app_facts.acc"
+    assert evaluate.metric_name("qpipe_gsm8k", "exact_match,strict-match") == \
+        "qpipe_gsm8k.exact_match/strict-match"
+
+
+def _result(task: str, items: list[float], chance: float = 0.5) -> evaluate.TaskResult:
+    per_item = {"acc,none": {str(i): v for i, v in enumerate(items)}}
+    return evaluate.TaskResult(task=task, backend="served", metrics={}, per_item=per_item,
+                               chance={"acc,none": chance}, settings={}, command="")
+
+
+def test_compare_and_suite_figure_from_paired_items() -> None:
+    tasks = suites.select(["app"])
+    base = {t.name: _result(t.name, [1.0] * 8 + [0.0] * 2) for t in tasks}
+    var = {t.name: _result(t.name, [1.0] * 6 + [0.0] * 4) for t in tasks}
+    var["app_json"] = _result("app_json", [1.0] * 8 + [0.0] * 2)
+    rec = evaluate.compare(tasks, base, var)
+    assert rec["app_facts"]["acc,none"].recovery_pct == pytest.approx(75.0)
+    assert rec["app_json"]["acc,none"].recovery_pct == pytest.approx(100.0)
+    fig = evaluate.suite_figures(tasks, base, var)["app"]
+    assert fig.recovery_pct == pytest.approx((75 + 75 + 100) / 3)
+
+
+def test_task_limits_and_cache_keys_follow_the_settings() -> None:
+    gsm8k = next(t for t in suites.select(["standard"]) if t.name == "qpipe_gsm8k")
+    assert evaluate.Settings().for_task(gsm8k)["limit"] == 50  # the task's qpipe_limit
+    assert evaluate.Settings(limit=7).for_task(gsm8k)["limit"] == 7
+    model = evaluate.Model("int4", "int4", paths.PROJECT_ROOT, "abc")
+    keys = {evaluate.task_key(model, gsm8k, b, evaluate.Settings(limit=n))
+            for b in (evaluate.SERVED, evaluate.EMULATED) for n in (5, 6)}
+    assert len(keys) == 4
+
+
+def test_unknown_variant_and_bad_limit(workspace: Path, tiny_model: Path) -> None:
+    base = baselines.resolve(str(tiny_model))
+    with pytest.raises(ConfigError, match="make quantize RECIPE=int4"):
+        evaluate.variant_models(base, ["int4"])
+    assert evaluate.variant_models(base, None) == []
+
+
+def _runs(workspace: Path, baseline_name: str) -> list:
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    exp = mlflow.get_experiment_by_name(tracking.experiment_name(baseline_name))
+    runs = mlflow.search_runs([exp.experiment_id], output_format="list") if exp else []
+    return [r for r in runs if r.data.tags.get(tracking.TAG_STAGE) == evaluate.STAGE]
+
+
+def _new_task_as_the_docs_say(evals: Path) -> None:
+    """docs/evals.md, "Add your own task": copy the template, rename, edit, write items."""
+    shutil.copytree(paths.EVALS_DIR / "_template", evals / "myapp")
+    (evals / "myapp" / "template_task.yaml").rename(evals / "myapp" / "myapp_support.yaml")
+    data = evals / "myapp" / "data" / "examples.jsonl"
+    # A random tiny model gives every token about the same probability, so it prefers the
+    # shortest choice: make that the right one and the baseline is far above chance.
+    rows = [{"context": f"Customer: request {i}.\nAgent:",
+             "choices": ["I will help.", "I will transfer you to another department now, sir."],
+             "label": 0} for i in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = evals / "myapp" / "myapp_support.yaml"
+    task.write_text(task.read_text().replace("task: template_task", "task: myapp_support")
+                    .replace("evals/_template/data/examples.jsonl", str(data)))
+
+
+@pytest.mark.slow
+def test_emulated_end_to_end_with_a_new_task(
+    workspace: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    evals = workspace / "evals"
+    evals.mkdir()
+    (evals / "app").symlink_to(paths.EVALS_DIR / "app")
+    shutil.copytree(paths.EVALS_DIR / "_template", evals / "_template")
+    _new_task_as_the_docs_say(evals)
+    monkeypatch.setattr(paths, "EVALS_DIR", evals)
+    suites.validate([evals / "myapp"])
+
+    base = baselines.resolve(str(tiny_model))
+    quantize.quantize(base, recipes.load("fp8"))
+    (variant,) = evaluate.variant_models(base, None)
+    tasks = suites.select(["app", "myapp"])
+    settings = evaluate.Settings(limit=6, backend="hf")
+    report = evaluate.evaluate(base, [variant], tasks, settings)
+    out = capsys.readouterr().out
+    assert "[eval] fp8 (emulated): task 4/4" in out and "[emulated" in out
+    assert report["fp8"]["divergence"].kl_div_mean >= 0
+
+    summary = json.loads((evaluate.cache_root(base.name) / "fp8" / "recovery.json").read_text())
+    assert set(summary["tasks"]) == {"app_facts", "app_grammar", "app_json", "myapp_support"}
+    assert summary["tasks"]["app_facts"]["settings"]["limit"] == 6
+    assert summary["tasks"]["app_facts"]["backend"] == "emulated"
+
+    runs = {r.data.params["recipe"]: r for r in _runs(workspace, base.name)}
+    assert set(runs) == {"none", "fp8"}
+    var_run = runs["fp8"]
+    assert var_run.data.tags[tracking.TAG_EVAL_BACKEND] == "emulated"
+    assert var_run.data.params["baseline"] == base.name
+    assert var_run.data.params["limit.app_facts"] == "6"
+    metrics = var_run.data.metrics
+    assert metrics["myapp_support.acc"] == 1.0
+    # the new task is above chance: its recovery is in MLflow, with its interval
+    assert metrics["recovery_pct.myapp_support"] == pytest.approx(100.0)
+    assert metrics["recovery_pct_ci_low.myapp_support"] <= 100.0
+    assert metrics["recovery_pct"] == pytest.approx(100.0)
+    assert "flip_rate.myapp_support" in metrics and "suite_recovery_pct.myapp" in metrics
+    assert {"kl_div_mean", "top1_agreement", "perplexity"} <= set(metrics)
+    # a random tiny model is at chance on the app suite: not meaningful, not a recovery
+    assert "recovery_pct.app_grammar" not in metrics
+    assert "app_grammar" in var_run.data.tags[tracking.TAG_NOT_MEANINGFUL]
+    assert "perplexity" in runs["none"].data.metrics
+
+    # unchanged: nothing is scored again and nothing new is logged
+    evaluate.evaluate(base, [variant], tasks, settings)
+    out = capsys.readouterr().out
+    assert "task 1/4" not in out and out.count("up to date") == 2
+    assert len(_runs(workspace, base.name)) == 2
+
+
+@pytest.mark.slow
+def test_cli_eval_then_gate(workspace: Path, tiny_model: Path) -> None:
+    base = baselines.resolve(str(tiny_model))
+    quantize.quantize(base, recipes.load("fp8"))
+    done = run_cli("eval", "--baseline", str(tiny_model), "--task", "app_json", "--limit", "4",
+                   "--backend", "hf", "--no-divergence", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[eval] fp8 (emulated): task 1/1 app_json (limit 4)" in done.stdout
+    assert "reproduce a score by hand" in done.stdout
+    # at chance everywhere: the gate cannot pass it, and says why
+    gated = run_cli("gate", "--baseline", str(tiny_model), timeout=120)
+    assert gated.returncode == 1
+    assert "no task where the baseline is above chance" in gated.stderr
+
+
+@pytest.mark.slow
+def test_scores_equal_a_direct_lm_eval_run(workspace: Path, tiny_model: Path) -> None:
+    base = baselines.resolve(str(tiny_model))
+    (task,) = suites.select(tasks=["app_grammar"])
+    model = evaluate.baseline_model(base)
+    result = evaluate.score(base.name, model, [task], evaluate.EMULATED,
+                            evaluate.Settings(limit=12))[task.name]
+    # the command qpipe prints, run as a user runs it
+    args = shlex.split(result.command)
+    assert args[:3] == [".venv/bin/lm_eval", "--model", "hf"]
+    out = workspace / "by-hand"
+    args[args.index("--output_path") + 1] = str(out)
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    done = subprocess.run([str(lm_eval), *args[1:]], cwd=paths.PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (results_file,) = out.rglob("results_*.json")
+    by_hand = json.loads(results_file.read_text())["results"][task.name]
+    assert by_hand["acc,none"] == result.metrics["acc,none"]
+    (samples_file,) = out.rglob(f"samples_{task.name}_*.jsonl")
+    hand_items = {str(json.loads(line)["doc_id"]): json.loads(line)["acc"]
+                  for line in samples_file.read_text().splitlines()}
+    assert hand_items == result.per_item["acc,none"]
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+def test_served_end_to_end_through_vllm(workspace: Path, tiny_model: Path) -> None:
+    base = baselines.resolve(str(tiny_model))
+    quantize.quantize(base, recipes.load("int4").with_calibration(num_samples=8,
+                                                                   max_seq_length=64))
+    (variant,) = evaluate.variant_models(base, ["int4"])
+    tasks = suites.select(tasks=["app_facts", "app_json"])
+    settings = evaluate.Settings(limit=5, num_concurrent=2)
+    report = evaluate.evaluate(base, [variant], tasks, settings, with_divergence=False)
+    assert report["int4"]["backend"] == evaluate.SERVED
+    results = report["int4"]["results"]
+    assert all(len(r.per_item["acc,none"]) == 5 for r in results.values())
+    assert "--model local-completions" in results["app_facts"].command
+    # the served baseline scores what the hf backend scores on the same items (bf16 both ways)
+    served = report["baseline (served)"]["results"]["app_facts"].per_item["acc,none"]
+    hf = evaluate.score(base.name, evaluate.baseline_model(base), tasks[:1], evaluate.EMULATED,
+                        settings)["app_facts"].per_item["acc,none"]
+    agree = sum(served[k] == hf[k] for k in served)
+    assert agree >= 4  # bf16 rounding may flip a near-tie
+    (run,) = [r for r in _runs(workspace, base.name) if r.data.params["recipe"] == "int4"]
+    assert run.data.tags[tracking.TAG_EVAL_BACKEND] == "served"

@@ -1,0 +1,112 @@
+"""Percent recovery, paired bootstrap intervals, flips and chance detection, on hand-made cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline import recovery
+
+
+def test_ratio_is_variant_over_baseline_times_100() -> None:
+    # baseline 4/5 right, variant 3/5 right: 3/4 = 75 %
+    assert recovery.ratio_pct([1, 1, 1, 1, 0], [1, 1, 1, 0, 0]) == pytest.approx(75.0)
+    # a variant can recover more than 100 %
+    assert recovery.ratio_pct([1, 0, 0, 0], [1, 1, 0, 0]) == pytest.approx(200.0)
+    # non-binary metrics: means of the scores
+    assert recovery.ratio_pct([0.5, 1.5], [0.5, 0.5]) == pytest.approx(50.0)
+    assert recovery.ratio_pct([0, 0], [1, 0]) is None
+
+
+def test_flips_count_changes_in_either_direction() -> None:
+    base = [1, 1, 0, 0, 1, 0]
+    var = [1, 0, 1, 0, 0, 0]  # item 1 and 4 lost, item 2 gained
+    assert recovery.flip_counts(base, var) == (1, 2)
+    r = recovery.recovery(base, var, chance=0.0)
+    assert (r.flips, r.gained, r.lost) == (3, 1, 2)
+    assert r.flip_rate == pytest.approx(0.5)
+    # same totals (2 right each), different items: recovery 100 % but flips show the churn
+    r = recovery.recovery([1, 1, 0, 0], [0, 0, 1, 1], chance=0.0)
+    assert r.recovery_pct == pytest.approx(100.0) and r.flips == 4
+
+
+def test_bootstrap_of_two_items_matches_the_exact_distribution() -> None:
+    # base [1, 1], var [1, 0]: resamples (0,0) -> 100 %, (0,1)/(1,0) -> 50 %, (1,1) -> 0 %,
+    # with probabilities 1/4, 1/2, 1/4.
+    draws = recovery.bootstrap_ratios([1, 1], [1, 0], iters=20000, seed=7)
+    values, counts = np.unique(draws, return_counts=True)
+    assert list(values) == [0.0, 50.0, 100.0]
+    assert counts / counts.sum() == pytest.approx([0.25, 0.5, 0.25], abs=0.02)
+    assert recovery.interval(draws) == (0.0, 100.0)
+
+
+def test_identical_models_have_a_zero_width_interval_at_100() -> None:
+    scores = [1, 0, 1, 1, 0, 1, 1, 1]
+    r = recovery.recovery(scores, scores, chance=0.25)
+    assert (r.recovery_pct, r.ci_low, r.ci_high) == (100.0, 100.0, 100.0)
+    assert r.flips == 0 and r.flip_rate == 0
+
+
+def test_interval_is_paired_and_reproducible() -> None:
+    rng = np.random.default_rng(0)
+    base = (rng.random(400) < 0.8).astype(float)
+    var = base.copy()
+    var[:12] = 1 - var[:12]  # 12 flips out of 400
+    a = recovery.recovery(base, var, chance=0.5)
+    b = recovery.recovery(base, var, chance=0.5)
+    assert a == b  # fixed seed
+    assert a.ci_low <= a.recovery_pct <= a.ci_high
+    # pairing: the interval reflects the 12 discordant items, not two independent 80 % scores;
+    # unpaired it would be ~+-7 points wide, paired it is ~+-2
+    assert a.ci_high - a.ci_low < 6
+    # the interval of an independent resample of each model would be much wider
+    rng2 = np.random.default_rng(1)
+    ib, iv = rng2.integers(0, 400, (2000, 400)), rng2.integers(0, 400, (2000, 400))
+    unpaired = var[iv].sum(1) / base[ib].sum(1) * 100
+    assert np.percentile(unpaired, 97.5) - np.percentile(unpaired, 2.5) > 2 * (a.ci_high - a.ci_low)
+
+
+def test_chance_detection() -> None:
+    # 2-choice task, baseline 52 % of 100 items: SE = 0.05, 0.52 - 1.96 * 0.05 < 0.5
+    near = [1] * 52 + [0] * 48
+    assert not recovery.meaningful(near, chance=0.5)
+    r = recovery.recovery(near, near, chance=0.5)
+    assert not r.meaningful and r.recovery_pct is None and r.ci_low is None
+    # 70 % of 100 items: SE = 0.0458, 0.70 - 0.0898 = 0.610 > 0.5
+    assert recovery.meaningful([1] * 70 + [0] * 30, chance=0.5)
+    # a generation task the baseline never solves: chance 0, score 0 -> not meaningful
+    assert not recovery.meaningful([0] * 50, chance=0.0)
+    # 2 right of 50 with chance 0: SE = 0.0277, 0.04 - 0.054 < 0 -> not meaningful
+    assert not recovery.meaningful([1, 1] + [0] * 48, chance=0.0)
+    assert recovery.meaningful([1] * 10 + [0] * 40, chance=0.0)
+
+
+def test_suite_figure_is_the_mean_of_task_recoveries_not_the_ratio_of_means() -> None:
+    # task a: 10 items, baseline 10 right, variant 5 -> 50 %
+    # task b: 100 items, baseline 50 right, variant 50 -> 100 %
+    a = ([1] * 10, [1] * 5 + [0] * 5)
+    b = ([1] * 50 + [0] * 50, [1] * 50 + [0] * 50)
+    fig = recovery.suite_recovery({"a": a, "b": b}, {"a": 0.0, "b": 0.0})
+    assert fig.recovery_pct == pytest.approx(75.0)  # (50 + 100) / 2
+    # the ratio of the pooled scores would be 55 / 60 = 91.7 %
+    pooled = recovery.ratio_pct(a[0] + b[0], a[1] + b[1])
+    assert pooled == pytest.approx(91.67, abs=0.01)
+    assert fig.ci_low <= 75.0 <= fig.ci_high
+    assert fig.tasks == ("a", "b") and fig.skipped == ()
+
+
+def test_suite_figure_skips_tasks_at_chance() -> None:
+    good = ([1] * 40 + [0] * 10, [1] * 38 + [0] * 12)
+    at_chance = ([1] * 26 + [0] * 24, [1] * 20 + [0] * 30)
+    fig = recovery.suite_recovery({"good": good, "coin": at_chance}, {"good": 0.5, "coin": 0.5})
+    assert fig.tasks == ("good",) and fig.skipped == ("coin",)
+    assert fig.recovery_pct == pytest.approx(95.0)
+    empty = recovery.suite_recovery({"coin": at_chance}, {"coin": 0.5})
+    assert empty.recovery_pct is None and empty.skipped == ("coin",)
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="equal-length"):
+        recovery.recovery([1, 0], [1], chance=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        recovery.recovery([], [], chance=0.0)
