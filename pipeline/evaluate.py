@@ -18,6 +18,8 @@ import logging
 import os
 import re
 import shlex
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -588,12 +590,18 @@ def log_mlflow(base: baselines.Baseline, model: Model, backend: str, tasks: list
         tags[tracking.TAG_DIVERGENCE_BACKEND] = divergence.BACKEND
     if not_meaningful:
         tags[tracking.TAG_NOT_MEANINGFUL] = ",".join(not_meaningful)
-    artifacts = [Path(r.directory) / f for r in results.values()
-                 for f in ("results.json", f"samples_{r.task}.jsonl")]
-    if summary is not None:
-        artifacts.append(summary)
     name = f"eval:{model.label}" + (" (emulated)" if backend == EMULATED else "")
-    run_id = tracking.log_run(base.name, STAGE, name, params, metrics, tags, artifacts)
+    with tempfile.TemporaryDirectory() as tmp:
+        # one file name per task: MLflow keeps artifacts by file name
+        artifacts = []
+        for r in results.values():
+            for src, dst in ((f"samples_{r.task}.jsonl", f"samples_{r.task}.jsonl"),
+                             ("results.json", f"results_{r.task}.json")):
+                shutil.copyfile(Path(r.directory) / src, Path(tmp) / dst)
+                artifacts.append(Path(tmp) / dst)
+        if summary is not None:
+            artifacts.append(summary)
+        run_id = tracking.log_run(base.name, STAGE, name, params, metrics, tags, artifacts)
     print(f"[eval] {model.label} ({backend}): recorded in MLflow, run {run_id}")
     return run_id
 
@@ -634,7 +642,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
              settings: Settings, force: bool = False, with_divergence: bool = True,
              track: bool = True) -> dict[str, dict[str, Any]]:
     """Score, compare and record; returns label -> {backend, results, recoveries, figures}."""
-    suites.prepare(quiet=False)
+    suites.prepare_for(tasks)
     base_model = baseline_model(base)
     scored: dict[str, tuple[str, dict[str, TaskResult]]] = {}
     for number, model in enumerate(variants, start=1):

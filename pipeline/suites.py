@@ -346,6 +346,12 @@ def prepare(force: bool = False, quiet: bool = False) -> list[Path]:
     return written
 
 
+def prepare_for(tasks: list[Task]) -> list[Path]:
+    """``prepare`` when one of ``tasks`` reads a prepared data file (else nothing is needed)."""
+    needed = {str(_rel(f)) for t in tasks for files in t.data_files.values() for f in files}
+    return prepare(quiet=False) if needed & set(PREPARED) else []
+
+
 # ---------------------------------------------------------------------------- validation
 
 

@@ -68,7 +68,7 @@ def test_compare_and_suite_figure_from_paired_items() -> None:
 
 def test_task_limits_and_cache_keys_follow_the_settings() -> None:
     gsm8k = next(t for t in suites.select(["standard"]) if t.name == "qpipe_gsm8k")
-    assert evaluate.Settings().for_task(gsm8k)["limit"] == 50  # the task's qpipe_limit
+    assert evaluate.Settings().for_task(gsm8k)["limit"] == 20  # the task's qpipe_limit
     assert evaluate.Settings(limit=7).for_task(gsm8k)["limit"] == 7
     model = evaluate.Model("int4", "int4", paths.PROJECT_ROOT, "abc")
     keys = {evaluate.task_key(model, gsm8k, b, evaluate.Settings(limit=n))
@@ -154,6 +154,10 @@ def test_emulated_end_to_end_with_a_new_task(
     assert "recovery_pct.app_grammar" not in metrics
     assert "app_grammar" in var_run.data.tags[tracking.TAG_NOT_MEANINGFUL]
     assert "perplexity" in runs["none"].data.metrics
+    import mlflow
+
+    names = {a.path for a in mlflow.tracking.MlflowClient().list_artifacts(var_run.info.run_id)}
+    assert {"results_app_facts.json", "samples_myapp_support.jsonl", "recovery.json"} <= names
 
     # unchanged: nothing is scored again and nothing new is logged
     evaluate.evaluate(base, [variant], tasks, settings)
