@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-from types import FrameType
 
+from pipeline import interrupts
 from pipeline.errors import Interrupted, QpipeError
 
 # sub-command -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -27,10 +26,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
     "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
 }
-
-
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -49,10 +44,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # SIGTERM takes the same clean-up path as Ctrl-C: temp dirs removed, servers stopped.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts.install()
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        interrupts.check()  # an interrupt that a library swallowed still ends as one
+        return code
     except KeyboardInterrupt:
         err: QpipeError = Interrupted("interrupted; partial output was removed. Run it again.")
         print(f"qpipe {args.command}: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline import interrupts
 from pipeline.errors import OutputError
 
 TEMP_PREFIX = ".tmp-"
@@ -41,6 +42,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
         raise output_error(target.parent, err) from None
     try:
         yield tmp
+        interrupts.check()  # never publish the output of a run the user asked to stop
         old = None
         if target.exists():
             old = target.with_name(f"{TEMP_PREFIX}old-{target.name}-{os.getpid()}")
