@@ -20,12 +20,21 @@ PYTEST_ARGS   ?=
 # bench / eval
 WORKLOAD      ?=
 SUITE         ?=
+BACKEND       ?=
+THRESHOLD     ?=
+GATE_LEVEL    ?=
 LIMIT         ?=
 REPEATS       ?=
 MAX_MODEL_LEN ?=
 KV_CACHE_GIB  ?=
 GPU_UTIL      ?=
 MLFLOW_PORT   ?= 5000
+# make all / compare: a campaign file in configs/campaigns/ (QUICK=1: the quick one)
+QUICK         ?=
+CAMPAIGN      ?= $(if $(QUICK),quick,default)
+# where make all / compare plan each variant (default: the campaign file's plan:)
+PLAN_GPU      ?=
+PLAN_CONTEXT  ?=
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
 GPU           ?= h100-80gb
@@ -51,7 +60,7 @@ SERVE_STAMP := .stamps/serve
 
 opt = $(if $(2),$(1) $(2))
 
-.PHONY: help setup quantize recipes baseline bench eval gate suites plan ui test lint clean
+.PHONY: help all compare setup quantize recipes baseline bench eval gate suites plan ui test lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -64,6 +73,21 @@ $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject
 $(SERVE_STAMP): requirements/serve-cpu.txt requirements/serve-cuda.txt scripts/setup.sh
 	@scripts/setup.sh serve
 	@mkdir -p $(@D) && touch $@
+
+all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, compare (QUICK=1: a first look)
+	@$(QPIPE) campaign --baseline $(BASELINE) --campaign $(CAMPAIGN) \
+	  $(foreach r,$(RECIPE),--recipe $(r)) $(foreach w,$(WORKLOAD),--workload $(w)) \
+	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
+	  $(call opt,--repeats,$(REPEATS)) $(call opt,--gpu,$(PLAN_GPU)) \
+	  $(call opt,--context,$(PLAN_CONTEXT)) $(if $(FORCE),--force) \
+	  $(if $(MAX_MODEL_LEN),--engine-arg=--max-model-len=$(MAX_MODEL_LEN)) \
+	  $(if $(KV_CACHE_GIB),--engine-arg=--kv-cache-gib=$(KV_CACHE_GIB)) \
+	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL))
+
+compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
+	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
+	  $(foreach r,$(RECIPE),--recipe $(r)) $(call opt,--gpu,$(PLAN_GPU)) \
+	  $(call opt,--context,$(PLAN_CONTEXT))
 
 setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
 
@@ -90,10 +114,12 @@ bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (defaul
 
 eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
 	@$(QPIPE) eval --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
-	  $(call opt,--suite,$(SUITE)) $(call opt,--limit,$(LIMIT)) $(if $(FORCE),--force)
+	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
+	  $(call opt,--backend,$(BACKEND)) $(if $(FORCE),--force)
 
 gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
-	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r))
+	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
+	  $(call opt,--threshold,$(THRESHOLD)) $(call opt,--level,$(GATE_LEVEL))
 
 suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
 	@$(QPIPE) suites

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import select
@@ -185,7 +186,9 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
 def _vllm_version() -> str:
+    """The serving environment's vLLM version (one subprocess per invocation)."""
     try:
         out = subprocess.run([str(serve_python()), "-c", "from importlib.metadata import "
                               "version as v\ntry: print(v('vllm'))\nexcept Exception: "
@@ -295,6 +298,7 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
     summary: dict[str, Any] = {}
     for name, record in records.items():
         entry: dict[str, Any] = {"recipe": record.model.recipe, "status": record.status,
+                                 "identity": record.model.identity,
                                  "serve_command": record.serve_command,
                                  "reason": record.reason, "format": record.model.format,
                                  "kv": record.kv, "peak_memory_bytes": record.peak_memory_bytes,
@@ -462,7 +466,10 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
             summary = summarize(records, loads)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
-                 "workloads": [str(w.path) for w in loads], "models": summary}, indent=2))
+                 "workloads": [str(w.path) for w in loads],
+                 "headline": {w.name: w.headline for w in loads},
+                 "compare_prefix_caching": {w.name: w.compare_prefix_caching for w in loads},
+                 "models": summary}, indent=2))
     print(format_table(summary, loads))
     if not tracking.find_run(base.name, STAGE, key):
         _log(base, summary, loads, settings, key, out, target)

@@ -13,9 +13,10 @@ import sys
 from pipeline import interrupts
 from pipeline.errors import Interrupted, QpipeError
 
-# sub-command -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
+# sub-command -> module with ``add_arguments(parser)`` and ``run(args) -> int`` (or, with a third
+# element X, ``add_X_arguments`` and ``run_X``).
 # Modules are imported only when their command runs: torch & co. load in seconds, not at --help.
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, ...]] = {
     "baseline": ("pipeline.baseline", "resolve the baseline model (convert the embedded one once)"),
     "recipes": ("pipeline.recipes", "list the recipes and validate them"),
     "quantize": ("pipeline.quantize", "quantize the baseline with a recipe (llmcompressor)"),
@@ -23,6 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("pipeline.evaluate", "score the baseline and variants with lm-eval; percent recovery"),
     "gate": ("pipeline.gate", "fail if a variant's recovery falls below its recipe's threshold"),
     "suites": ("pipeline.suites", "list and validate the lm-eval task suites in evals/"),
+    "campaign": ("pipeline.campaign", "every stage for every recipe, then compare (make all)"),
+    "compare": ("pipeline.campaign", "join the measured stages into one comparison, report and "
+                "MLflow parent run", "compare"),
     "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
     "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
 }
@@ -32,12 +36,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported to add its arguments."""
     parser = argparse.ArgumentParser(prog="qpipe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (module_name, help_text, *variant) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             module = importlib.import_module(module_name)
-            module.add_arguments(sub_parser)
-            sub_parser.set_defaults(_run=module.run)
+            add, run = ("add_arguments", "run") if not variant else (
+                f"add_{variant[0]}_arguments", f"run_{variant[0]}")
+            getattr(module, add)(sub_parser)
+            sub_parser.set_defaults(_run=getattr(module, run))
     return parser
 
 

@@ -32,7 +32,8 @@ TAG_STAGE = "qpipe.stage"
 TAG_CACHE_KEY = "qpipe.cache_key"
 
 
-def _mlflow() -> Any:
+def mlflow_module() -> Any:
+    """``mlflow``, pointed at the tracking store."""
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # ./mlruns still works if asked for
     import mlflow
 
@@ -46,7 +47,7 @@ def experiment_name(baseline_name: str) -> str:
 
 def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:
     """The id of a finished run of ``stage`` with this cache key, if one is recorded."""
-    mlflow = _mlflow()
+    mlflow = mlflow_module()
     experiment = mlflow.get_experiment_by_name(experiment_name(baseline_name))
     if experiment is None:
         return None
@@ -74,7 +75,7 @@ def log_run(
 
     ``stepped`` holds (metric, value, step) for sweeps: the step is the load point.
     """
-    mlflow = _mlflow()
+    mlflow = mlflow_module()
     mlflow.set_experiment(experiment_name(baseline_name))
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
     with mlflow.start_run(run_name=run_name, tags=all_tags) as run:

@@ -126,3 +126,14 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert again == summary
     assert len(mlflow.search_runs([experiment.experiment_id], output_format="list",
                                   filter_string="tags.`qpipe.stage` = 'bench'")) == 2
+
+    # The comparison joins this measurement to the variant's current checkpoint.
+    from pipeline import compare
+
+    rows = {r.name: r for r in compare.collect(base, ["int4"]).rows}
+    assert rows["int4"].serving == "ok"
+    assert rows["int4"].speedup == pytest.approx(int4[tracking.SPEEDUP])
+    assert rows["baseline"].headline[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(baseline_tps)
+    assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary["int4"]["kv"][
+        tracking.KV_CACHE_TOKENS]
+    assert rows["int4"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.3

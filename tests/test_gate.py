@@ -19,24 +19,57 @@ def _entry(pct: float | None, low: float | None, high: float | None, meaningful:
     return {"backend": backend, "primary_metric": "acc,none", "recovery": {"acc,none": rec}}
 
 
-def test_judge_compares_the_lower_end_with_the_threshold() -> None:
+def test_task_level_compares_the_lower_end_with_the_threshold() -> None:
     summary = {"tasks": {"a": _entry(99.0, 97.5, 100.5), "b": _entry(98.0, 95.1, 100.2),
-                         "c": _entry(None, None, None, meaningful=False)}}
-    verdict = gate.judge(summary, "int4", 96)
-    assert not verdict.ok
+                         "c": _entry(None, None, None, meaningful=False),
+                         "d": _entry(90.0, 85.0, 94.0)}}
+    verdict = gate.judge(summary, "int4", 96, level="task")
+    assert not verdict.ok and verdict.status == gate.FAIL
+    (undecided,) = verdict.inconclusive
+    assert undecided.startswith("b: recovery 98.0% [95% CI 95.1, 100.2]")
+    assert "lower end 95.1 < threshold 96 <= upper end 100.2" in undecided
     (failure,) = verdict.failed
-    assert failure.startswith("b: recovery 98.0% [95% CI 95.1, 100.2]")
-    assert "lower end 95.1 < threshold 96" in failure
+    assert failure.startswith("d: recovery 90.0%") and "upper end 94.0 < threshold 96" in failure
     assert verdict.passed[0].startswith("a: recovery 99.0%")
     assert verdict.skipped[0].startswith("c: not meaningful")
-    assert gate.judge(summary, "int4", 95).ok
-    emulated = gate.judge({"tasks": {"a": _entry(99.0, 97.5, 100.5, backend="emulated")}}, "x", 95)
+    del summary["tasks"]["d"]
+    assert gate.judge(summary, "int4", 96, level="task").status == gate.INCONCLUSIVE
+    assert gate.judge(summary, "int4", 95, level="task").ok
+    emulated = gate.judge({"tasks": {"a": _entry(99.0, 97.5, 100.5, backend="emulated")}}, "x", 95,
+                          level="task")
     assert emulated.passed[0].startswith("a [emulated]:")
 
 
+def _suite(pct: float | None, low: float | None, high: float | None, tasks: tuple[str, ...],
+           backend: str = "served") -> dict:
+    return {"recovery_pct": pct, "ci_low": low, "ci_high": high, "tasks": list(tasks),
+            "skipped": [], "backend": backend}
+
+
+def test_suite_level_judges_the_pooled_interval_not_each_task() -> None:
+    # each task alone straddles 96; the suite's pooled interval clears it
+    summary = {"tasks": {"a": _entry(99.0, 95.0, 102.0), "b": _entry(99.5, 95.5, 103.0)},
+               "suites": {"app": _suite(99.2, 96.8, 101.6, ("a", "b")),
+                          "*": _suite(10.0, 5.0, 15.0, ("a", "b"))}}
+    assert gate.judge(summary, "int4", 96, level="task").status == gate.INCONCLUSIVE
+    verdict = gate.judge(summary, "int4", 96)
+    assert verdict.ok, verdict
+    assert verdict.passed == ["suite app: recovery 99.2% [95% CI 96.8, 101.6] over a, b "
+                              "(200 items)"]  # the all-suites mean "*" is not judged
+    summary["suites"]["std"] = _suite(93.0, 90.0, 95.0, ("a",), backend="emulated")
+    verdict = gate.judge(summary, "int4", 96)
+    assert verdict.status == gate.FAIL
+    assert verdict.failed[0].startswith("suite std [emulated]: recovery 93.0%")
+    assert "suite std" in verdict.reason()
+
+
 def test_nothing_meaningful_cannot_pass() -> None:
-    verdict = gate.judge({"tasks": {"c": _entry(None, None, None, meaningful=False)}}, "int4", 96)
+    verdict = gate.judge({"tasks": {"c": _entry(None, None, None, meaningful=False)}}, "int4", 96,
+                         level="task")
     assert not verdict.ok and not verdict.failed
+    assert "above chance" in verdict.reason()
+    suite = gate.judge({"suites": {"app": _suite(None, None, None, ())}}, "int4", 96)
+    assert not suite.ok and suite.skipped == ["suite app: not meaningful (no task above chance)"]
 
 
 def test_thresholds_come_from_the_recipe(tmp_path: Path) -> None:
@@ -100,12 +133,12 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
 
     crude, fine = gate.gate(embedded.name, variants)
     assert not crude.ok and crude.failed, crude
-    assert any(line.startswith("app_grammar [emulated]: recovery") for line in crude.failed)
+    assert any(line.startswith("suite app [emulated]: recovery") for line in crude.failed)
     assert fine.ok, fine
     with pytest.raises(gate.GateFailed) as info:
         gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=variants,
-                                    threshold=None))
+                                    threshold=None, level="suite"))
     assert info.value.exit_code == 1
-    assert "crude-w2: app_grammar" in str(info.value) and "fine-w8" not in str(info.value)
+    assert "crude-w2: suite app" in str(info.value) and "fine-w8" not in str(info.value)
     assert gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=["fine-w8"],
-                                       threshold=None)) == 0
+                                       threshold=None, level="suite")) == 0

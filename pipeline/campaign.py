@@ -1,0 +1,340 @@
+"""A campaign: every stage for every recipe, then one comparison logged as an MLflow parent run.
+
+``qpipe campaign`` (``make all``) runs quantize -> bench -> eval as the Makefile would, one
+sub-process per stage (per recipe for quantize: peak memory is measured per variant), printing
+progress and elapsed time; every stage reuses what it measured before, so a re-run with nothing
+changed finishes in seconds. ``qpipe compare`` (``make compare``) is the last step alone: it
+joins what is on disk (:mod:`pipeline.compare`), writes the report (:mod:`pipeline.report`) and
+logs one parent run with a nested child run per variant.
+
+What a campaign runs is a YAML file in ``configs/campaigns/`` (``default``; ``quick`` for a
+first look); every field can be overridden on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline import baseline as baselines
+from pipeline import compare, paths, report, tracking
+from pipeline.errors import ConfigError, QpipeError
+
+CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
+STAGE = "campaign"
+CHILD_STAGE = "campaign.variant"
+TAG_PARENT = "mlflow.parentRunId"
+
+
+class StageFailed(QpipeError):
+    """A stage of the campaign exited non-zero; its own message says why."""
+
+
+# --- the campaign file -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Campaign:
+    name: str
+    path: Path
+    description: str = ""
+    recipes: tuple[str, ...] = ()  # empty: every recipe in recipes/
+    workloads: tuple[str, ...] = ("chat", "prefix")
+    repeats: int | None = None
+    suites: tuple[str, ...] = ()  # empty: every suite in evals/
+    limit: int | None = None
+    backend: str = "auto"  # eval: auto (served where vLLM serves the format), served, hf
+    divergence: bool = True
+    plan: compare.PlanTarget = field(default_factory=compare.PlanTarget)
+
+
+FIELDS = {"description": str, "recipes": list, "workloads": list, "repeats": int,
+          "suites": list, "limit": int, "backend": str, "divergence": bool, "plan": dict}
+PLAN_FIELDS = {"gpu": str, "context": int, "max_context": int, "memory_gb": (int, float)}
+
+
+def load(name_or_path: str) -> Campaign:
+    """A campaign by name (``configs/campaigns/<name>.yaml``) or path."""
+    path = paths.find_yaml(name_or_path, CAMPAIGNS_DIR)
+    if path is None:
+        raise ConfigError(f"no campaign {name_or_path!r}: the campaigns are "
+                          f"{', '.join(paths.yaml_names(CAMPAIGNS_DIR))} (configs/campaigns/), "
+                          "or give a path to a YAML file.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields ({', '.join(FIELDS)}).")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        _check(path, key, value, FIELDS)
+        values[key] = tuple(str(v) for v in value) if isinstance(value, list) else value
+    plan = values.pop("plan", {}) or {}
+    for key, value in plan.items():
+        _check(path, f"plan.{key}", value, PLAN_FIELDS)
+    return Campaign(name=path.stem, path=path, plan=compare.PlanTarget(**plan), **values)
+
+
+def _check(path: Path, key: str, value: Any, fields: dict[str, Any]) -> None:
+    short = key.rsplit(".", 1)[-1]
+    if short not in fields:
+        raise ConfigError(f"{path}: unknown field {key!r}; the fields are "
+                          f"{', '.join(fields)}.")
+    if value is not None and not isinstance(value, fields[short]):
+        raise ConfigError(f"{path}: field {key!r} should be a "
+                          f"{getattr(fields[short], '__name__', 'number')}, not {value!r}.")
+
+
+# --- the stages --------------------------------------------------------------------------------
+def _qpipe() -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli"]
+
+
+def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
+                   engine_args: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(label, argv) of every stage, in order."""
+    recipes = list(campaign.recipes) or paths.yaml_names(paths.RECIPES_DIR)
+    again = ["--force"] if force else []
+    steps = [(f"quantize {r}", [*_qpipe(), "quantize", "--baseline", baseline, "--recipe", r,
+                                *again]) for r in recipes]
+    bench = [*_qpipe(), "bench", "--baseline", baseline, *[a for r in recipes
+                                                          for a in ("--recipe", r)],
+             *[a for w in campaign.workloads for a in ("--workload", w)], *again,
+             *(engine_args or [])]
+    if campaign.repeats:
+        bench += ["--repeats", str(campaign.repeats)]
+    evaluate = [*_qpipe(), "eval", "--baseline", baseline, *[a for r in recipes
+                                                            for a in ("--recipe", r)],
+                *[a for s in campaign.suites for a in ("--suite", s)], *again]
+    if campaign.limit:
+        evaluate += ["--limit", str(campaign.limit)]
+    if campaign.backend != "auto":
+        evaluate += ["--backend", campaign.backend]
+    if not campaign.divergence:
+        evaluate.append("--no-divergence")
+    # no workloads: no bench (e.g. a machine without the serving environment)
+    return [*steps, *([("bench", bench)] if campaign.workloads else []), ("eval", evaluate)]
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def run_stages(steps: list[tuple[str, list[str]]], started: float) -> None:
+    """Each stage in its own process; its output streams through; the first failure stops."""
+    total = len(steps) + 1
+    for number, (label, argv) in enumerate(steps, start=1):
+        print(f"\n[all {number}/{total}] {label} (elapsed {_clock(time.monotonic() - started)})",
+              flush=True)
+        proc = subprocess.Popen(argv, cwd=paths.PROJECT_ROOT)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()  # the stage cleans up after itself (servers, temp dirs)
+            proc.wait()
+            raise
+        if code != 0:
+            raise StageFailed(f"stage '{label}' failed (exit {code}); its message is above. "
+                              f"Re-run it alone: {shlex.join(argv[1:])}")
+
+
+# --- the comparison and its MLflow runs --------------------------------------------------------
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=paths.PROJECT_ROOT, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=paths.PROJECT_ROOT, timeout=10)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("llmcompressor", "compressed-tensors", "transformers", "torch", "lm_eval",
+                 "mlflow"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    from pipeline.bench import _vllm_version
+
+    out["vllm"] = _vllm_version()
+    return out
+
+
+def run_meta(comparison: compare.Comparison, campaign: Campaign | None) -> dict[str, str]:
+    """Tags of the parent run, also printed at the foot of the report."""
+    meta = {"baseline": comparison.baseline, "git_commit": _git_commit(),
+            "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+                        f"{_accelerator()}",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "campaign": campaign.name if campaign else "compare only"}
+    meta.update({f"version.{k}": v for k, v in _versions().items()})
+    return meta
+
+
+def _accelerator() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        names = sorted(set(out.stdout.split("\n")) - {""})
+        return ", ".join(names) if out.returncode == 0 and names else "no GPU"
+    except OSError:
+        return "no GPU"
+
+
+def child_metrics(row: compare.Row) -> dict[str, float]:
+    """The joined figures of one variant, under the stage runs' metric names."""
+    m: dict[str, float] = {tracking.WEIGHT_BYTES: row.weight_bytes,
+                           "weight_ratio": row.weight_ratio}
+    for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY):
+        if key in row.kv:
+            m[key] = row.kv[key]
+    for key, value in row.plan.items():
+        m[f"planned.{key}"] = value
+    if row.serving == "ok":
+        m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
+        if row.peak_memory_bytes:
+            m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
+        m.update(row.prefix)
+    for suite, fig in row.suites.items():
+        if fig.get("recovery_pct") is not None:
+            m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig["recovery_pct"]
+            if fig.get("ci_low") is not None:
+                m[f"suite_recovery_pct_ci_low.{suite}"] = fig["ci_low"]
+                m[f"suite_recovery_pct_ci_high.{suite}"] = fig["ci_high"]
+    for key in (tracking.KL_DIV_MEAN, tracking.TOP1_AGREEMENT, tracking.PERPLEXITY):
+        if key in row.divergence:
+            m[key] = row.divergence[key]
+    if row.quantize_seconds is not None:
+        m[tracking.QUANTIZE_SECONDS] = row.quantize_seconds
+    return m
+
+
+def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[str, str]) -> str:
+    """One parent run with the report as artifacts; one nested child run per variant."""
+    mlflow = tracking.mlflow_module()
+    mlflow.set_experiment(tracking.experiment_name(comparison.baseline))
+    tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
+            **{f"qpipe.{k}": v for k, v in meta.items()},
+            "recommendation": comparison.recommendation or "none",
+            "mlflow.note.content": report.recommendation_line(comparison)}
+    name = f"campaign:{meta['created'][:16].replace('T', ' ')}"
+    with mlflow.start_run(run_name=name, tags=tags) as parent:
+        mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
+                           "variants": ",".join(r.name for r in comparison.rows),
+                           "workload": comparison.workload or "-",
+                           "load_point": comparison.load_point or "-",
+                           "plan_target": comparison.plan_target.gpu,
+                           "plan_context": comparison.plan_target.context,
+                           "plan_max_context": comparison.plan_target.max_context})
+        for path in files:
+            mlflow.log_artifact(str(path))
+        for row in comparison.rows:
+            child_tags = {tracking.TAG_STAGE: CHILD_STAGE, "serving_status": row.serving,
+                          "gate": row.gate_status if row.name != compare.BASELINE else "-"}
+            if row.eval_backend:
+                child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
+            with mlflow.start_run(run_name=f"variant:{row.name}", nested=True, tags=child_tags):
+                params = {tracking.PARAM_BASELINE: comparison.baseline,
+                          tracking.PARAM_RECIPE: row.recipe, tracking.PARAM_SCHEME: row.scheme,
+                          "format": row.format, "precision": row.precision,
+                          "figures_from": row.figures_from}
+                if row.threshold is not None:
+                    params["recovery_threshold_pct"] = row.threshold
+                if row.serving_reason:
+                    params["serving_reason"] = row.serving_reason[:500]
+                mlflow.log_params(params)
+                mlflow.log_metrics(child_metrics(row))
+        return parent.info.run_id
+
+
+def compare_and_log(base: baselines.Baseline, recipes: list[str] | None,
+                    target: compare.PlanTarget, campaign: Campaign | None = None,
+                    track: bool = True) -> tuple[compare.Comparison, list[Path]]:
+    comparison = compare.collect(base, recipes, target)
+    meta = run_meta(comparison, campaign)
+    out = paths.artifacts_dir() / "reports" / base.name
+    files = report.write(comparison, out, meta)
+    print(report.terminal(comparison))
+    print(f"\nreport: {out / 'report.html'} (also comparison.md, .csv, .json)")
+    if track:
+        run_id = log_campaign(comparison, files, meta)
+        print(f"[compare] recorded in MLflow ({paths.default_tracking_uri()}): parent run "
+              f"{run_id} with {len(comparison.rows)} child runs; `make ui` to review")
+    return comparison, files
+
+
+# --- the commands ------------------------------------------------------------------------------
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
+                        help="embedded alias, local model directory or hub id (%(default)s)")
+    parser.add_argument("--recipe", action="append",
+                        help="a variant to include (repeatable; default: every variant on disk)")
+    parser.add_argument("--campaign", default="default",
+                        help="campaign file whose plan target is used (%(default)s)")
+    parser.add_argument("--gpu", help="accelerator preset the planner places each variant on")
+    parser.add_argument("--context", type=int, help="tokens per request for planned concurrency")
+    parser.add_argument("--max-context", type=int, help="tokens reserved per request, worst case")
+    parser.add_argument("--memory-gb", type=float, help="accelerator memory instead of --gpu")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+
+
+def _target(args: argparse.Namespace, campaign: Campaign) -> compare.PlanTarget:
+    t = campaign.plan
+    return compare.PlanTarget(gpu=args.gpu or t.gpu, context=args.context or t.context,
+                              max_context=args.max_context or t.max_context,
+                              memory_gb=args.memory_gb if args.memory_gb else t.memory_gb)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    campaign = load(args.campaign)
+    base = baselines.resolve(args.baseline)
+    compare_and_log(base, args.recipe, _target(args, campaign), None, not args.no_track)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_compare_arguments(parser)
+    parser.add_argument("--workload", action="append", help="override the campaign's workloads")
+    parser.add_argument("--repeats", type=int, help="override the campaign's repeats")
+    parser.add_argument("--suite", action="append", help="override the campaign's suites")
+    parser.add_argument("--limit", type=int, help="override the campaign's items per task")
+    parser.add_argument("--force", action="store_true", help="redo every stage")
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="passed to `qpipe bench` (e.g. --engine-arg=--kv-cache-gib=2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    campaign = load(args.campaign)
+    overrides: dict[str, Any] = {}
+    for key in ("workload", "suite", "recipe"):
+        if getattr(args, key):
+            overrides[f"{key}s"] = tuple(getattr(args, key))
+    for key in ("repeats", "limit"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    campaign = replace(campaign, **overrides, plan=_target(args, campaign))
+    base = baselines.resolve(args.baseline)
+    started = time.monotonic()
+    print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
+    run_stages(stage_commands(campaign, args.baseline, args.force, args.engine_arg), started)
+    steps = len(stage_commands(campaign, args.baseline)) + 1
+    print(f"\n[all {steps}/{steps}] compare (elapsed {_clock(time.monotonic() - started)})")
+    compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,
+                    not args.no_track)
+    print(f"[all] done in {_clock(time.monotonic() - started)}")
+    return 0

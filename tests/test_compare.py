@@ -1,0 +1,125 @@
+"""The comparison: the verdict, the table in every format, and the campaign files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import campaign, compare, gate, report, tracking
+from pipeline.errors import ConfigError
+
+
+def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
+         serving: str = "ok", backend: str = "served", recovery: float = 100.5) -> compare.Row:
+    row = compare.Row(name, name, "S", "float-quantized", "fp8", 163_000_000, 0.61,
+                      serving=serving, eval_backend=backend, threshold=99.0, gate_status=status,
+                      gate_reason="" if status == gate.PASS else f"suite app: {name} too wide")
+    if speedup is not None:
+        row.headline = {tracking.SPEEDUP: speedup, f"{tracking.SPEEDUP}_min": speedup - 0.1,
+                        f"{tracking.SPEEDUP}_max": speedup + 0.1,
+                        tracking.OUTPUT_TOKENS_PER_S: 20 * speedup,
+                        f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19 * speedup,
+                        f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21 * speedup,
+                        tracking.TTFT_MS_P50: 100.0, tracking.TTFT_MS_P99: 150.0,
+                        tracking.ITL_MS_P50: 10.0, tracking.ITL_MS_P99: 12.0}
+        row.sweep = {1: dict(row.headline), 4: dict(row.headline)}
+    row.suites = {"app": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5,
+                          "tasks": ["app_facts"], "backend": backend}}
+    row.tasks = {"app_facts": {"backend": backend, "primary_metric": "acc,none", "recovery": {
+        "acc,none": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5}}}}
+    row.plan = {"max_concurrency_paged": 40, "max_concurrency_worst_case": 10}
+    return row
+
+
+def _baseline() -> compare.Row:
+    row = compare.Row("baseline", "none", "bf16", "dense", "bf16", 269_000_000, 1.0)
+    row.headline = {tracking.OUTPUT_TOKENS_PER_S: 20.0, f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19.0,
+                    f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21.0}
+    row.sweep = {1: dict(row.headline)}
+    return row
+
+
+def _comparison(rows: list[compare.Row]) -> compare.Comparison:
+    best, reason = compare.recommend(rows)
+    return compare.Comparison("Tiny", rows, "chat", 4, compare.PlanTarget(), best, reason, {})
+
+
+def test_the_fastest_variant_that_clears_its_gate_is_recommended() -> None:
+    rows = [_baseline(), _row("fp8", 1.2, gate.PASS), _row("int4", 1.6, gate.PASS),
+            _row("int8", 2.0, gate.INCONCLUSIVE)]
+    best, reason = compare.recommend(rows)
+    assert best == "int4"  # int8 is faster but its gate is inconclusive
+    assert reason.startswith("int4: 1.60x the baseline's throughput")
+    assert "app 100.5% [99.5, 102.0]" in reason and "threshold 99%" in reason
+
+
+def test_no_recommendation_names_every_reason() -> None:
+    rows = [_baseline(), _row("int8", 2.0, gate.FAIL),
+            _row("mxfp4", None, gate.PASS, serving="unsupported", backend="emulated")]
+    rows[2].serving_reason = "Failed to find a kernel"
+    best, reason = compare.recommend(rows)
+    assert best is None
+    assert "int8: gate fail: suite app: int8 too wide" in reason
+    assert "mxfp4: clears its gate but was not served here (Failed to find a kernel)" in reason
+    assert compare.recommend([_baseline()])[1].endswith("no variant on disk (make quantize)")
+
+
+def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path) -> None:
+    emulated = _row("mxfp4", None, gate.PASS, serving="unsupported", backend="emulated")
+    emulated.serving_reason = "Failed to find a kernel"
+    comparison = _comparison([_baseline(), _row("fp8", 1.25, gate.PASS), emulated])
+
+    text = report.terminal(comparison)
+    assert "recommendation: ship fp8: 1.25x" in text
+    assert "1.25x [1.15-1.35]" in text and "100.5% [99.5, 102.0] [emulated]" in text
+    assert "mxfp4: accuracy from the emulated path" in text
+
+    md = report.markdown(comparison)
+    assert md.count("\n| ") == 4  # header + 3 rows
+    assert "unsupported here" in md
+
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(comparison))))
+    assert [r["variant"] for r in rows] == ["baseline", "fp8", "mxfp4"]
+    assert float(rows[1]["speedup"]) == pytest.approx(1.25)
+    assert rows[2]["eval_backend"] == "emulated" and rows[2]["speedup"] == ""
+    assert float(rows[1]["recovery_pct.app_ci_low"]) == pytest.approx(99.5)
+
+    files = report.write(comparison, tmp_path / "out", {"git_commit": "abc123"})
+    assert [f.name for f in files] == list(report.FILES)
+    page = files[0].read_text()
+    assert page.count("<svg") == len(report.PLOTS)
+    assert 'id="comparison"' in page and "abc123" in page and "[emulated]" in page
+    assert json.loads(files[3].read_text())["recommendation"] == "fp8"
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_shipped_campaigns_load_and_bad_ones_name_the_field(tmp_path: Path) -> None:
+    default, quick = campaign.load("default"), campaign.load("quick")
+    assert default.workloads == ("chat", "prefix") and default.plan.context == 2048
+    assert set(quick.recipes) <= set(default.recipes or quick.recipes)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("recipes: [fp8]\nworkload: [chat]\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown field 'workload'"):
+        campaign.load(str(bad))
+    bad.write_text("plan: {context: many}\n")
+    with pytest.raises(ConfigError, match=r"field 'plan.context' should be a int"):
+        campaign.load(str(bad))
+    with pytest.raises(ConfigError, match="the campaigns are default, quick"):
+        campaign.load("nope")
+
+
+def test_stage_commands_follow_the_campaign() -> None:
+    quick = campaign.load("quick")
+    steps = dict(campaign.stage_commands(quick, "tiny", force=True))
+    assert list(steps) == ["quantize fp8", "quantize mxfp4", "bench", "eval"]
+    bench = steps["bench"]
+    assert bench[bench.index("--workload") + 1] == "quick" and "--force" in bench
+    evaluate = steps["eval"]
+    assert evaluate[evaluate.index("--limit") + 1] == "40" and "--no-divergence" in evaluate
+    no_bench = campaign.Campaign("x", Path("x.yaml"), recipes=("fp8",), workloads=())
+    assert [label for label, _ in campaign.stage_commands(no_bench, "tiny")] == [
+        "quantize fp8", "eval"]
