@@ -28,7 +28,7 @@ from pipeline import baseline as baselines
 from pipeline import capacity, engine_metrics, paths, tracking
 from pipeline import workloads as workloads_mod
 from pipeline.errors import ConfigError
-from pipeline.fsutil import atomic_dir, read_json
+from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
 from pipeline.quantize import MANIFEST
 from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, serve_python
 from pipeline.workloads import Workload
@@ -197,6 +197,28 @@ def _vllm_version() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "missing"
+
+
+def _unsupported_marker(model: Model, target: str) -> Path:
+    return paths.artifacts_dir() / "cache" / "unsupported" / f"{model.identity}-{target}.json"
+
+
+def _recall_unsupported(records: dict[str, ModelRecord], target: str) -> None:
+    """Skip the minute-long failed start of a format this vLLM already refused here."""
+    for record in records.values():
+        known = read_json(_unsupported_marker(record.model, target))
+        if known and known.get("vllm") == _vllm_version():
+            record.status = "unsupported"
+            record.reason = known["reason"]
+            print(f"[bench] {record.model.name}: vLLM {known['vllm']} refused it here before "
+                  f"({known['reason']}); not retried (FORCE=1 retries)", flush=True)
+
+
+def _remember_unsupported(records: dict[str, ModelRecord], target: str) -> None:
+    for record in records.values():
+        if record.status == "unsupported":
+            write_json_atomic(_unsupported_marker(record.model, target),
+                              {"vllm": _vllm_version(), "reason": record.reason})
 
 
 @contextlib.contextmanager
@@ -456,6 +478,8 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
         summary = _points_by_int(cached["models"])
     else:
         records = {m.name: ModelRecord(m) for m in models}
+        if not force:
+            _recall_unsupported(records, target)
         groups = [models] if target == "cpu" else [[m] for m in models]
         # Server logs live outside the temp dir: a failed run's logs stay where errors point.
         logs = out.parent / "logs" / key
@@ -464,6 +488,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
             if any(w.compare_prefix_caching for w in loads):
                 _measure(groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)
+            _remember_unsupported(records, target)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
                  "workloads": [str(w.path) for w in loads],

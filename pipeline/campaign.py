@@ -103,19 +103,18 @@ def _qpipe() -> list[str]:
 
 def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
                    engine_args: list[str] | None = None) -> list[tuple[str, list[str]]]:
-    """(label, argv) of every stage, in order."""
+    """(label, ``qpipe`` arguments) of every stage, in order."""
     recipes = list(campaign.recipes) or paths.yaml_names(paths.RECIPES_DIR)
     again = ["--force"] if force else []
-    steps = [(f"quantize {r}", [*_qpipe(), "quantize", "--baseline", baseline, "--recipe", r,
-                                *again]) for r in recipes]
-    bench = [*_qpipe(), "bench", "--baseline", baseline, *[a for r in recipes
-                                                          for a in ("--recipe", r)],
+    steps = [(f"quantize {r}", ["quantize", "--baseline", baseline, "--recipe", r, *again])
+             for r in recipes]
+    variants = [a for r in recipes for a in ("--recipe", r)]
+    bench = ["bench", "--baseline", baseline, *variants,
              *[a for w in campaign.workloads for a in ("--workload", w)], *again,
              *(engine_args or [])]
     if campaign.repeats:
         bench += ["--repeats", str(campaign.repeats)]
-    evaluate = [*_qpipe(), "eval", "--baseline", baseline, *[a for r in recipes
-                                                            for a in ("--recipe", r)],
+    evaluate = ["eval", "--baseline", baseline, *variants,
                 *[a for s in campaign.suites for a in ("--suite", s)], *again]
     if campaign.limit:
         evaluate += ["--limit", str(campaign.limit)]
@@ -131,22 +130,49 @@ def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
+def _needs_quantizing(argv: list[str]) -> bool:
+    """Whether a quantize stage has work to do (a fresh process measures its peak memory)."""
+    from pipeline import quantize, recipes
+
+    args = _parse(argv)
+    if args.force:
+        return True
+    base = baselines.resolve(args.baseline)
+    manifest = quantize.read_json(paths.variant_dir(base.name, args.recipe) / quantize.MANIFEST)
+    return manifest.get("cache_key") != quantize.cache_key(base, recipes.load(args.recipe))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from pipeline import cli
+
+    return cli.build_parser(argv[0]).parse_args(argv)
+
+
 def run_stages(steps: list[tuple[str, list[str]]], started: float) -> None:
-    """Each stage in its own process; its output streams through; the first failure stops."""
+    """Stage by stage; quantizing runs in its own process, the rest (and up-to-date quantize
+    stages) in this one, so that a campaign with nothing to redo takes seconds."""
     total = len(steps) + 1
     for number, (label, argv) in enumerate(steps, start=1):
         print(f"\n[all {number}/{total}] {label} (elapsed {_clock(time.monotonic() - started)})",
               flush=True)
-        proc = subprocess.Popen(argv, cwd=paths.PROJECT_ROOT)
+        if argv[0] == "quantize" and _needs_quantizing(argv):
+            proc = subprocess.Popen([*_qpipe(), *argv], cwd=paths.PROJECT_ROOT)
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                proc.terminate()  # the stage cleans up after itself (temp dirs)
+                proc.wait()
+                raise
+            if code != 0:
+                raise StageFailed(f"stage '{label}' failed (exit {code}); its message is above. "
+                                  f"Re-run it alone: qpipe {shlex.join(argv)}")
+            continue
+        args = _parse(argv)
         try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()  # the stage cleans up after itself (servers, temp dirs)
-            proc.wait()
-            raise
-        if code != 0:
-            raise StageFailed(f"stage '{label}' failed (exit {code}); its message is above. "
-                              f"Re-run it alone: {shlex.join(argv[1:])}")
+            args._run(args)
+        except QpipeError as err:
+            raise StageFailed(f"stage '{label}' failed: {err}\nRe-run it alone: "
+                              f"qpipe {shlex.join(argv)}") from err
 
 
 # --- the comparison and its MLflow runs --------------------------------------------------------
@@ -181,7 +207,7 @@ def run_meta(comparison: compare.Comparison, campaign: Campaign | None) -> dict[
             "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                         f"{_accelerator()}",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "campaign": campaign.name if campaign else "compare only"}
+            "campaign": campaign.name if campaign else "compare"}
     meta.update({f"version.{k}": v for k, v in _versions().items()})
     return meta
 
@@ -232,7 +258,7 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
             "mlflow.note.content": report.recommendation_line(comparison)}
-    name = f"campaign:{meta['created'][:16].replace('T', ' ')}"
+    name = f"campaign:{meta['campaign']}"  # the start time is the run's own
     with mlflow.start_run(run_name=name, tags=tags) as parent:
         mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
                            "variants": ",".join(r.name for r in comparison.rows),
