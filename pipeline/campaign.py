@@ -195,9 +195,9 @@ def _versions() -> dict[str, str]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = "missing"
-    from pipeline.bench import _vllm_version
+    from pipeline.serve import vllm_version
 
-    out["vllm"] = _vllm_version()
+    out["vllm"] = vllm_version()
     return out
 
 

