@@ -91,6 +91,13 @@ class Row:
     def speedup(self) -> float | None:
         return self.headline.get(tracking.SPEEDUP)
 
+    def served_concurrency(self, context: int) -> int | None:
+        """Requests of ``context`` tokens the served engine's KV cache holds at once (paged)."""
+        tokens, block = self.kv.get(tracking.KV_CACHE_TOKENS), self.kv.get("kv_block_size", 16)
+        if not tokens:
+            return None
+        return int(tokens // (-(-context // int(block)) * int(block)))
+
     @property
     def figures_from(self) -> str:
         """Where the accuracy figures come from, as the report shows it."""

@@ -58,7 +58,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and cells shared by the terminal and Markdown tables."""
     ctx = comparison.plan_target.context
     header = ["variant", "precision", "weights (x base)", "KV tokens (vLLM)",
-              f"max conc. @{ctx} planned paged/worst", "out tok/s [min-max]",
+              f"max conc. @{ctx} served", f"planned {_where(comparison)} paged/worst",
+              "out tok/s [min-max]",
               "speedup [min-max]", "TTFT p50 ms", "ITL p50 ms",
               *[f"recovery {s} [95% CI]" for s in _suites(comparison)], "gate", "figures from"]
     cells = []
@@ -74,7 +75,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         cells.append([
             row.name, f"{row.precision} ({row.scheme})",
             f"{row.weight_bytes / 1e6:,.1f} MB ({row.weight_ratio:.2f})",
-            _num(row.kv.get(tracking.KV_CACHE_TOKENS), "{:,.0f}"), conc,
+            _num(row.kv.get(tracking.KV_CACHE_TOKENS), "{:,.0f}"),
+            _num(row.served_concurrency(ctx), "{:,}"), conc,
             "-" if row.serving != "ok" else _spread(row.headline, tracking.OUTPUT_TOKENS_PER_S),
             _speed_cell(row),
             _num(row.headline.get(tracking.TTFT_MS_P50), "{:,.0f}"),
@@ -108,11 +110,17 @@ def terminal(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
+def _where(comparison: Comparison) -> str:
+    t = comparison.plan_target
+    return f"{t.memory_gb:g} GB" if t.memory_gb is not None else t.gpu
+
+
 def _plan_line(comparison: Comparison) -> str:
     t = comparison.plan_target
-    where = f"{t.memory_gb:g} GB" if t.memory_gb is not None else t.gpu
-    return (f"planned concurrency: {where}, {t.context:,} tokens per request (paged) or "
-            f"{t.max_context:,} reserved (worst case), weights in each variant's precision")
+    return (f"max concurrency: 'served' is the KV cache vLLM reported here divided by "
+            f"{t.context:,}-token requests; 'planned' is the capacity planner on "
+            f"{_where(comparison)} with each variant's weights, {t.context:,} tokens per request "
+            f"(paged) or {t.max_context:,} reserved (worst case)")
 
 
 def _notes(comparison: Comparison) -> list[str]:
@@ -141,7 +149,8 @@ def markdown(comparison: Comparison) -> str:
 
 
 CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_bytes",
-              "weight_ratio", "kv_cache_tokens", "max_concurrency", "planned_concurrency_paged",
+              "weight_ratio", "kv_cache_tokens", "max_concurrency",
+              "served_concurrency_at_context", "planned_concurrency_paged",
               "planned_concurrency_worst_case", "serving_status", "output_tokens_per_s",
               "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup", "speedup_min",
               "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
@@ -163,6 +172,8 @@ def csv_text(comparison: Comparison) -> str:
             "weight_ratio": round(row.weight_ratio, 4),
             "kv_cache_tokens": row.kv.get(tracking.KV_CACHE_TOKENS),
             "max_concurrency": row.kv.get(tracking.MAX_CONCURRENCY),
+            "served_concurrency_at_context": row.served_concurrency(
+                comparison.plan_target.context),
             "planned_concurrency_paged": row.plan.get("max_concurrency_paged"),
             "planned_concurrency_worst_case": row.plan.get("max_concurrency_worst_case"),
             "serving_status": row.serving, "eval_backend": row.eval_backend or "",
@@ -258,7 +269,7 @@ def plot_memory(comparison: Comparison) -> tuple[str, str]:
               label=f"worst case ({t.max_context:,} reserved)")
     right.set_xticks(list(xs), names)
     right.set_ylabel("max concurrent requests (planned)")
-    right.set_title(f"Concurrency on {t.gpu if t.memory_gb is None else f'{t.memory_gb:g} GB'}")
+    right.set_title(f"Planned concurrency on {_where(comparison)}")
     right.legend(fontsize=7)
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=30)

@@ -123,3 +123,12 @@ def test_stage_commands_follow_the_campaign() -> None:
     no_bench = campaign.Campaign("x", Path("x.yaml"), recipes=("fp8",), workloads=())
     assert [label for label, _ in campaign.stage_commands(no_bench, "tiny")] == [
         "quantize fp8", "eval"]
+
+
+def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> None:
+    row = _baseline()
+    assert row.served_concurrency(2048) is None  # not benched
+    row.kv = {tracking.KV_CACHE_TOKENS: 46_592, "kv_block_size": 128}
+    assert row.served_concurrency(2048) == 22  # vLLM's own figure at 2,048 tokens is 22.75
+    assert row.served_concurrency(2000) == 22  # 2,000 tokens still take 16 blocks of 128
+    assert row.served_concurrency(100) == 364
