@@ -334,7 +334,7 @@ def html_page(comparison: Comparison, meta: dict[str, str] | None = None) -> str
                       for name, svg in (plot(comparison) for plot in PLOTS))
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in
                     [headline_line(comparison), _plan_line(comparison), *_notes(comparison)])
-    facts = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>"
+    facts = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                     for k, v in (meta or {}).items())
     verdict = "ok" if comparison.recommendation else "none"
     advice = html.escape(recommendation_line(comparison))
@@ -349,14 +349,13 @@ th {{ background: #f3f3f3; }}
 .recommendation {{ font-size: 16px; padding: 0.6em; border-left: 4px solid #2a7; }}
 .recommendation.none {{ border-color: #c44; }}
 figure.plot {{ display: inline-block; margin: 1em; vertical-align: top; }}
-dt {{ font-weight: bold; float: left; clear: left; width: 10em; }}
 </style></head><body>
 <h1>qpipe comparison: {html.escape(comparison.baseline)}</h1>
 <p class="recommendation {verdict}" id="recommendation">{advice}</p>
 <table id="comparison"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 <ul>{notes}</ul>
 <section id="plots">{figures}</section>
-<dl>{facts}</dl>
+<table id="meta">{facts}</table>
 </body></html>
 """
 

