@@ -108,7 +108,7 @@ def test_shipped_campaigns_load_and_bad_ones_name_the_field(tmp_path: Path) -> N
     bad.write_text("plan: {context: many}\n")
     with pytest.raises(ConfigError, match=r"field 'plan.context' should be a int"):
         campaign.load(str(bad))
-    with pytest.raises(ConfigError, match="the campaigns are default, quick"):
+    with pytest.raises(ConfigError, match="the campaigns are default, full, quick"):
         campaign.load("nope")
 
 
