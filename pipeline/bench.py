@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import baseline as baselines
-from pipeline import capacity, engine_metrics, paths, tracking
+from pipeline import capacity, checkpoint, engine_metrics, paths, tracking
 from pipeline import workloads as workloads_mod
 from pipeline.errors import ConfigError
 from pipeline.fsutil import atomic_dir, read_json
-from pipeline.quantize import MANIFEST
 from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, serve_python
 from pipeline.workloads import Workload
 
@@ -72,18 +71,9 @@ class Model:
 
 def models_for(base: baselines.Baseline, recipes: list[str] | None) -> list[Model]:
     """The baseline first, then the requested variants (default: every variant on disk)."""
-    root = paths.variants_dir() / base.name
-    names = recipes or sorted(p.name for p in root.glob("*") if (p / MANIFEST).is_file())
-    models = [Model(BASELINE_RECIPE, base.path, base.identity, "dense")]
-    for name in names:
-        manifest = read_json(paths.variant_dir(base.name, name) / MANIFEST)
-        if not manifest:
-            raise ConfigError(f"no variant {name!r} of {base.name} on disk "
-                              f"({paths.variant_dir(base.name, name)}): run "
-                              f"`make quantize RECIPE={name}` first.")
-        models.append(Model(name, paths.variant_dir(base.name, name), manifest["cache_key"],
-                            manifest["format"]))
-    return models
+    return [Model(BASELINE_RECIPE, base.path, base.identity, "dense"), *(
+        Model(name, paths.variant_dir(base.name, name), m["cache_key"], m["format"])
+        for name, m in checkpoint.variant_manifests(base.name, recipes).items())]
 
 
 # --- one load point -----------------------------------------------------------------------

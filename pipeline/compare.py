@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import baseline as baselines
-from pipeline import capacity, evaluate, gate, paths, tracking
+from pipeline import capacity, checkpoint, evaluate, gate, paths, tracking
 from pipeline.accelerators import get_accelerator
-from pipeline.errors import ConfigError, PlanError
+from pipeline.errors import PlanError
 from pipeline.fsutil import read_json
 
-MANIFEST = "qpipe_manifest.json"
 BASELINE = "baseline"
 SERVED, EMULATED = evaluate.SERVED, evaluate.EMULATED
 
@@ -197,20 +196,12 @@ def _group_size(scheme: str) -> int:
 def collect(base: baselines.Baseline, recipes: list[str] | None = None,
             target: PlanTarget | None = None) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``)."""
-    from pipeline import checkpoint
 
     target = target or PlanTarget()
-    root = paths.variants_dir() / base.name
-    names = recipes or sorted(p.name for p in root.glob("*") if (p / MANIFEST).is_file())
     base_bytes = checkpoint.measure(base.path).weight_bytes
     rows = [Row(BASELINE, "none", "bf16", "dense", "bf16", base_bytes, 1.0)]
     identities = {BASELINE: base.identity}
-    for name in names:
-        manifest = read_json(paths.variant_dir(base.name, name) / MANIFEST)
-        if not manifest:
-            raise ConfigError(f"no variant {name!r} of {base.name} on disk "
-                              f"({paths.variant_dir(base.name, name)}): run "
-                              f"`make quantize RECIPE={name}` first.")
+    for name, manifest in checkpoint.variant_manifests(base.name, recipes).items():
         scheme = manifest.get("recipe", {}).get("scheme", "?")
         fmt = manifest.get("format", "?")
         rows.append(Row(name, name, scheme, fmt, PRECISION_OF_FORMAT.get(fmt, "bf16"),

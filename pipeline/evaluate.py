@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import baseline as baselines
-from pipeline import divergence, paths, recovery, suites, tracking
+from pipeline import checkpoint, divergence, paths, recovery, suites, tracking
 from pipeline.errors import ConfigError, QpipeError
 from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
 
@@ -105,21 +105,8 @@ class TaskResult:
 
 def variant_models(base: baselines.Baseline, recipes: list[str] | None) -> list[Model]:
     """The variants to score: the named ones, or every one on disk for this baseline."""
-    root = paths.variants_dir() / base.name
-    if recipes is None:
-        recipes = sorted(p.name for p in root.iterdir()
-                         if (p / "qpipe_manifest.json").is_file()) if root.is_dir() else []
-    models = []
-    for name in recipes:
-        target = paths.variant_dir(base.name, name)
-        manifest = read_json(target / "qpipe_manifest.json")
-        if not manifest:
-            raise ConfigError(
-                f"no variant {name!r} of {base.name} in {target} (no qpipe_manifest.json). Fix: "
-                f"run `make quantize RECIPE={name}` first, or leave RECIPE= empty to score every "
-                "variant on disk.")
-        models.append(Model(name, name, target, str(manifest["cache_key"])))
-    return models
+    return [Model(name, name, paths.variant_dir(base.name, name), str(manifest["cache_key"]))
+            for name, manifest in checkpoint.variant_manifests(base.name, recipes).items()]
 
 
 def baseline_model(base: baselines.Baseline) -> Model:
