@@ -28,6 +28,11 @@ from pipeline.fsutil import atomic_dir, read_json, remove_stale_temp_dirs, write
 MANIFEST = "qpipe_manifest.json"
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
 STAGE = "quantize"
+# How the model is held while llmcompressor calibrates; part of the cache key. On CPUs without
+# bf16 units, float32 matmuls are ~3x faster, and one torch thread avoids a 2-thread OpenMP
+# team stalling on every one of GPTQ's tiny ops whenever anything else uses the CPU (measured
+# 4-13x); the checkpoint is cast back to bf16 before it is compressed and saved.
+METHOD = "cpu: float32 calibration (bf16 if memory is short), 1 thread; cuda: bf16"
 
 
 def library_versions() -> dict[str, str]:
@@ -40,7 +45,7 @@ def cache_key(base: baselines.Baseline, recipe: recipes.RecipeFile) -> str:
     if calib and Path(calib["dataset"]).is_file():
         calib["dataset"] = hashlib.sha256(Path(calib["dataset"]).read_bytes()).hexdigest()
     payload = {"baseline": base.identity, "recipe": recipe.sha256, "calibration": calib,
-               "libraries": library_versions()}
+               "libraries": library_versions(), "method": METHOD}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -122,7 +127,7 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
     print(f"[quantize] {base.name} with recipe {recipe.name} ({recipe.description})")
     started = time.monotonic()
     with atomic_dir(target) as tmp:
-        scheme = _run_oneshot(base, recipe, tmp)
+        scheme, work_dtype = _run_oneshot(base, recipe, tmp)
         seconds = time.monotonic() - started
         shutil.copyfile(recipe.path, tmp / "qpipe_recipe.yaml")
         size = checkpoint.measure(tmp, base.path)
@@ -136,6 +141,7 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
             "libraries": library_versions(),
             "hardware": {"machine": platform.machine(), "processor": platform.processor(),
                          "device": _device()},
+            "calibration_dtype": work_dtype,
             "quantize_seconds": round(seconds, 2),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "format": size.format,
@@ -157,7 +163,20 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
     return manifest
 
 
-def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path) -> str:
+def _work_dtype(base: baselines.Baseline) -> Any:
+    """float32 on a CPU when twice the bf16 weights fit in half the free memory, else bf16."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    fp32_bytes = 2 * checkpoint.measure(base.path).weight_bytes
+    return torch.float32 if fp32_bytes < psutil.virtual_memory().available / 2 else torch.bfloat16
+
+
+def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
+                 ) -> tuple[str, str]:
+    """Quantize into ``out``; returns (scheme label, the dtype the model was calibrated in)."""
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,7 +185,8 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
 
     llm_recipe = recipes.instantiate(recipe)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.bfloat16)
+    work_dtype = _work_dtype(base)
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=work_dtype)
     check_group_sizes(model, llm_recipe, recipe.path)
     calib = recipe.calibration
     data_args: dict[str, Any] = {}
@@ -176,9 +196,15 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
               f"from {calib.dataset}")
         data_args = {"dataset": data, "num_calibration_samples": len(data),
                      "max_seq_length": calib.max_seq_length}
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
     try:
-        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), output_dir=str(out),
-                **data_args)
+        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), **data_args)
+        model.to(torch.bfloat16)  # the checkpoint is bf16 whatever the calibration dtype
+        model.config.dtype = torch.bfloat16
+        model.save_pretrained(str(out), save_compressed=True)  # llmcompressor's compressing save
+        tokenizer.save_pretrained(str(out))
     except (KeyboardInterrupt, RecipeError):
         raise
     except Exception as err:
@@ -187,7 +213,9 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. Check the recipe's "
             "scheme against the model (see recipes/*.yaml for working forms)."
         ) from err
-    return scheme_label(llm_recipe)
+    finally:
+        torch.set_num_threads(threads)
+    return scheme_label(llm_recipe), str(work_dtype).removeprefix("torch.")
 
 
 def _device() -> str:
