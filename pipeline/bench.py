@@ -206,26 +206,31 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
              logs: Path, label: str) -> Iterator[dict[str, VllmServer]]:
     """Start a server per model; an unsupported format is recorded, not fatal."""
     with contextlib.ExitStack() as stack:
-        live = {}
-        for model in models:
+        live, starting = {}, []
+        for model in models:  # launched together: on CPUs their loading overlaps
             record = records[model.name]
             if record.status != "ok":
                 continue
             print(f"[bench] starting vLLM for {model.name} ({label}) ...", flush=True)
-            started = time.monotonic()
             server = VllmServer(model.path, model.name, settings,
                                 logs / f"server-{model.name}-{label}.log")
             if settings.enable_prefix_caching:
                 cpu_env = [f"{k}={v}" for k, v in server.environment().items()
                            if k.startswith("VLLM_CPU")]
                 record.serve_command = shlex.join([*cpu_env, *server.command()])
+            server.launch()
+            stack.callback(server.stop)
+            starting.append((model, server))
+        started = time.monotonic()
+        for model, server in starting:
             try:
-                live[model.name] = stack.enter_context(server)
+                server.wait_ready()
             except UnsupportedFormat as err:
-                record.status, record.reason = "unsupported", err.reason
+                records[model.name].status, records[model.name].reason = "unsupported", err.reason
                 print(f"[bench] {model.name}: unsupported here: {err}", flush=True)
                 continue
-            print(f"[bench] {model.name} is up in {time.monotonic() - started:.0f} s "
+            live[model.name] = server
+            print(f"[bench] {model.name} is up after {time.monotonic() - started:.0f} s "
                   f"({server.base_url})", flush=True)
         try:
             yield live
@@ -465,8 +470,12 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
         logs = out.parent / "logs" / key
         with atomic_dir(out) as tmp:
             _measure(groups, loads, records, settings, tmp, logs, caching=True)
-            if any(w.compare_prefix_caching for w in loads):
-                _measure(groups, loads, records, settings, tmp, logs, caching=False)
+            off = [w for w in loads if w.compare_prefix_caching]
+            if off:
+                every = any(w.prefix_off_models != "baseline" for w in off)
+                off_models = models if every else models[:1]  # the baseline comes first
+                off_groups = [off_models] if target == "cpu" else [[m] for m in off_models]
+                _measure(off_groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)
             _remember_unsupported(records)
             (tmp / "summary.json").write_text(json.dumps(

@@ -24,6 +24,14 @@ SEQ_LEN = 512
 BACKEND = "hf (transformers, de-compressed weights)"
 
 
+def hf_dtype() -> str:
+    """The dtype models run in under transformers here: bfloat16 on a GPU; float32 on a CPU,
+    where bf16 matmuls without bf16 units ran ~3x slower (bf16 weights are exact in float32)."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 @dataclass(frozen=True)
 class Divergence:
     """Per-token figures averaged over every predicted token of the held-out text."""
@@ -64,7 +72,7 @@ def load_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, hf_dtype()))
     return model.eval()
 
 

@@ -207,6 +207,12 @@ class VllmServer:
         self.stop()
 
     def start(self) -> None:
+        """Launch the server and wait until it answers ``/health`` (stopped on any failure)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting: several servers can then load at once."""
         if not serve_python().exists():
             raise ServeError(f"the serving environment is missing ({serve_python()}): run "
                              "`make setup` (or set QPIPE_SERVE_PYTHON to a Python with vLLM).")
@@ -220,6 +226,8 @@ class VllmServer:
             log.close()
         self._sampler = threading.Thread(target=self._sample_memory, daemon=True)
         self._sampler.start()
+
+    def wait_ready(self) -> None:
         try:
             self._wait_healthy()
         except BaseException:

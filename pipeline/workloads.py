@@ -43,6 +43,9 @@ class Workload:
     suffix_len: int = 0
     num_prefixes: int = 1
     compare_prefix_caching: bool = False
+    # with caching off, measure every model or only the baseline (what reuse buys is mostly
+    # the engine's, not the precision's; each caching-off pass restarts every server)
+    prefix_off_models: str = "all"
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
@@ -76,7 +79,8 @@ class Workload:
 FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": int,
           "repeats": int, "seed": int, "prompts_per_concurrency": int, "min_prompts": int,
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
-          "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool}
+          "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
+          "prefix_off_models": str}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len")}
 
@@ -119,6 +123,9 @@ def load(name_or_path: str) -> Workload:
     headline = data.get("headline", points[0])
     if headline not in points:
         raise ConfigError(f"{path}: headline {headline} is not one of the load_points {points}.")
+    if data.get("prefix_off_models", "all") not in ("all", "baseline"):
+        raise ConfigError(f"{path}: prefix_off_models is 'all' or 'baseline', not "
+                          f"{data['prefix_off_models']!r}.")
     values: dict[str, Any] = {k: v for k, v in data.items() if k not in ("load_points",)}
     values.update(load_points=tuple(points), headline=headline, dataset=dataset,
                   description=str(data.get("description", "")),
