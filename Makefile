@@ -64,7 +64,8 @@ opt = $(if $(2),$(1) $(2))
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
+	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
+	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
 	@scripts/setup.sh pipeline
