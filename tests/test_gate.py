@@ -132,8 +132,11 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
     assert report["crude-w2"]["recoveries"]["app_grammar"]["acc,none"].recovery_pct < 90
 
     crude, fine = gate.gate(embedded.name, variants)
-    assert not crude.ok and crude.failed, crude
-    assert any(line.startswith("suite app [emulated]: recovery") for line in crude.failed)
+    # 30 items: the crude variant's interval may still reach the threshold (inconclusive);
+    # either way it does not pass, and the gate says why
+    assert not crude.ok and crude.status in (gate.FAIL, gate.INCONCLUSIVE), crude
+    assert any(line.startswith("suite app [emulated]: recovery")
+               for line in crude.failed + crude.inconclusive)
     assert fine.ok, fine
     with pytest.raises(gate.GateFailed) as info:
         gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=variants,
