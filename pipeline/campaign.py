@@ -139,7 +139,7 @@ def _needs_quantizing(argv: list[str]) -> bool:
         return True
     base = baselines.resolve(args.baseline)
     manifest = quantize.read_json(paths.variant_dir(base.name, args.recipe) / quantize.MANIFEST)
-    return manifest.get("cache_key") != quantize.cache_key(base, recipes.load(args.recipe))
+    return not quantize.is_current(manifest, quantize.cache_key(base, recipes.load(args.recipe)))
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -357,9 +357,10 @@ def run(args: argparse.Namespace) -> int:
     base = baselines.resolve(args.baseline)
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
-    run_stages(stage_commands(campaign, args.baseline, args.force, args.engine_arg), started)
-    steps = len(stage_commands(campaign, args.baseline)) + 1
-    print(f"\n[all {steps}/{steps}] compare (elapsed {_clock(time.monotonic() - started)})")
+    steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
+    run_stages(steps, started)
+    total = len(steps) + 1
+    print(f"\n[all {total}/{total}] compare (elapsed {_clock(time.monotonic() - started)})")
     compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,
                     not args.no_track)
     print(f"[all] done in {_clock(time.monotonic() - started)}")

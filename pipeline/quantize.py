@@ -25,7 +25,7 @@ from pipeline import checkpoint, paths, recipes, tracking
 from pipeline.errors import OutputError, QuantizeError, RecipeError
 from pipeline.fsutil import atomic_dir, read_json, remove_stale_temp_dirs, write_json_atomic
 
-MANIFEST = "qpipe_manifest.json"
+MANIFEST = checkpoint.MANIFEST
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
 STAGE = "quantize"
 # How the model is held while llmcompressor calibrates; part of the cache key. On CPUs without
@@ -115,7 +115,7 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
     target = paths.variant_dir(base.name, recipe.name)
     key = cache_key(base, recipe)
     manifest = read_json(target / MANIFEST)
-    if manifest.get("cache_key") == key and not force:
+    if is_current(manifest, key) and not force:
         print(f"[quantize] {base.name}/{recipe.name} is up to date ({target}); nothing to do "
               "(FORCE=1 redoes it).")
         _track(base, recipe, manifest, target)
@@ -161,6 +161,11 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
           f"{ratio:.3f} of their bf16 bytes) in {seconds:.0f} s")
     _track(base, recipe, manifest, target)
     return manifest
+
+
+def is_current(manifest: dict, key: str) -> bool:
+    """Whether a variant's manifest was made from exactly these inputs (``cache_key``)."""
+    return manifest.get("cache_key") == key
 
 
 def _work_dtype(base: baselines.Baseline) -> Any:
