@@ -28,7 +28,16 @@ from pipeline import capacity, checkpoint, engine_metrics, paths, tracking
 from pipeline import workloads as workloads_mod
 from pipeline.errors import ConfigError
 from pipeline.fsutil import atomic_dir, read_json
-from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, serve_python
+from pipeline.serve import (
+    EngineSettings,
+    ServeError,
+    UnsupportedFormat,
+    VllmServer,
+    known_refusal,
+    remember_refusal,
+    serve_python,
+    vllm_version,
+)
 from pipeline.workloads import Workload
 
 STAGE = "bench"
@@ -171,31 +180,21 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     payload = {"models": [(m.recipe, m.identity) for m in models],
                "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
                "engine": dataclasses.asdict(settings),
-               "target": target, "vllm": _vllm_version()}
+               "target": target, "vllm": vllm_version()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _vllm_version() -> str:
-    from pipeline.serve import vllm_version
-
-    return vllm_version()
 
 
 def _recall_unsupported(records: dict[str, ModelRecord]) -> None:
     """Skip the minute-long failed start of a checkpoint this vLLM already refused here."""
-    from pipeline.serve import known_refusal
-
     for record in records.values():
         reason = known_refusal(record.model.identity)
         if reason:
             record.status, record.reason = "unsupported", reason
-            print(f"[bench] {record.model.name}: vLLM {_vllm_version()} refused it here before "
+            print(f"[bench] {record.model.name}: vLLM {vllm_version()} refused it here before "
                   f"({reason}); not retried (FORCE=1 retries)", flush=True)
 
 
 def _remember_unsupported(records: dict[str, ModelRecord]) -> None:
-    from pipeline.serve import remember_refusal
-
     for record in records.values():
         if record.status == "unsupported":
             remember_refusal(record.model.identity, record.reason)
@@ -386,7 +385,7 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
             metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry["peak_memory_bytes"]
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
-                  "serve_target": target, "vllm": _vllm_version(), **settings.as_params()}
+                  "serve_target": target, "vllm": vllm_version(), **settings.as_params()}
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
         if entry["status"] != "ok":
@@ -482,7 +481,6 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
                  "workloads": [str(w.path) for w in loads],
                  "headline": {w.name: w.headline for w in loads},
-                 "compare_prefix_caching": {w.name: w.compare_prefix_caching for w in loads},
                  "models": summary}, indent=2))
     print(format_table(summary, loads))
     if not tracking.find_run(base.name, STAGE, key):

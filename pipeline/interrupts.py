@@ -29,11 +29,6 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _handler)
 
 
-def received() -> bool:
-    """Whether an interrupt arrived since :func:`install`, even one a library swallowed."""
-    return _received is not None
-
-
 def check() -> None:
     """Raise ``KeyboardInterrupt`` if an interrupt arrived, even one a library swallowed."""
     if _received is not None:
