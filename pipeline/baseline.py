@@ -143,9 +143,14 @@ def _download(hub_id: str) -> Path:
         ) from None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_baseline_argument(parser: argparse.ArgumentParser) -> None:
+    """``--baseline``, as every sub-command takes it."""
     parser.add_argument("--baseline", default=EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id")
+                        help="embedded alias, local model directory or hub id (%(default)s)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_baseline_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -491,7 +491,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EngineSettings()
-    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0])
+    baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
                         help="a variant to bench (repeatable; default: every variant on disk)")
     parser.add_argument("--workload", action="append",

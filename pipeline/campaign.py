@@ -306,8 +306,7 @@ def compare_and_log(base: baselines.Baseline, recipes: list[str] | None,
 
 # --- the commands ------------------------------------------------------------------------------
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id (%(default)s)")
+    baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
                         help="a variant to include (repeatable; default: every variant on disk)")
     parser.add_argument("--campaign", default="default",

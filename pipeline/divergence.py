@@ -24,12 +24,12 @@ SEQ_LEN = 512
 BACKEND = "hf (transformers, de-compressed weights)"
 
 
-def hf_dtype() -> str:
-    """The dtype models run in under transformers. bfloat16 everywhere: float32 would be ~3x
-    faster on CPUs without bf16 units, but compressed-tensors de-compresses a quantized
-    checkpoint's weights to bf16 whatever dtype is asked for (float != BFloat16 in the first
-    matmul), and the by-hand ``lm_eval --model hf`` command must give the same scores."""
-    return "bfloat16"
+# The dtype models run in under transformers (emulated scoring and this check). bfloat16
+# everywhere: float32 would be ~3x faster on CPUs without bf16 units, but compressed-tensors
+# de-compresses a quantized checkpoint's weights to bf16 whatever dtype is asked for
+# (float != BFloat16 in the first matmul), and the by-hand ``lm_eval --model hf`` command must
+# give the same scores.
+HF_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def load_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, hf_dtype()))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, HF_DTYPE))
     return model.eval()
 
 

@@ -125,7 +125,7 @@ def task_key(model: Model, task: suites.Task, backend: str, settings: Settings) 
                "backend": backend, "settings": settings.for_task(task),
                "batch_size": settings.batch_size,
                "engine": _engine_settings(settings, model) if backend == SERVED else None,
-               "hf_dtype": divergence.hf_dtype() if backend == EMULATED else None}
+               "hf_dtype": divergence.HF_DTYPE if backend == EMULATED else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -170,7 +170,7 @@ def _device() -> str:
 
 
 def hf_model_args(model: Model) -> str:
-    return f"pretrained={_shown(model.path)},dtype={divergence.hf_dtype()}"
+    return f"pretrained={_shown(model.path)},dtype={divergence.HF_DTYPE}"
 
 
 def served_model_args(model: Model, base_url: str, settings: Settings) -> str:
@@ -307,7 +307,7 @@ def _lm(model: Model, backend: str, settings: Settings, log_dir: Path
     else:
         from lm_eval.models.huggingface import HFLM
 
-        yield HFLM(pretrained=str(model.path), dtype=divergence.hf_dtype(),
+        yield HFLM(pretrained=str(model.path), dtype=divergence.HF_DTYPE,
                    batch_size=settings.batch_size,
                    device=_device()), None
 
@@ -626,7 +626,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
     report: dict[str, dict[str, Any]] = {}
     div_dir = cache_root(base.name) / "divergence"
     text_sha = divergence.text_hash(divergence.heldout_text()) if with_divergence else ""
-    text_sha += f"-{divergence.hf_dtype()}"  # the figures depend on the dtype the models ran in
+    text_sha += f"-{divergence.HF_DTYPE}"  # the figures depend on the dtype the models ran in
     base_div = divergence.measure(base.path, base.path, div_dir / f"{base.identity}-self-"
                                   f"{text_sha}.json") if with_divergence else None
     for backend, results in base_results.items():
@@ -657,8 +657,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id (%(default)s)")
+    baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
                         help="a variant to score (repeatable; default: every variant on disk)")
     parser.add_argument("--suite", action="append",

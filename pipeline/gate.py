@@ -163,8 +163,7 @@ def gate(baseline_name: str, recipe_names: list[str] | None = None,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id (%(default)s)")
+    baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
                         help="variant to judge (repeatable; default: every evaluated variant)")
     parser.add_argument("--threshold", type=float,

@@ -251,8 +251,7 @@ def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: dict,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", default=baselines.EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id (%(default)s)")
+    baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", required=True,
                         help="recipe name in recipes/ (fp8, int4, int8, mxfp4) or a recipe file")
     parser.add_argument("--force", action="store_true", help="redo even if up to date")
