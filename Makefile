@@ -135,11 +135,11 @@ ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-
 	@$(QPIPE) ui --port $(MLFLOW_PORT)
 
 test: $(PIPELINE_STAMP) $(SERVE_STAMP) ## run the test suite (unit, end-to-end on a tiny model, embedded model)
-	@$(VENV)/bin/ruff check pipeline tests
+	@$(VENV)/bin/ruff check pipeline tests scripts
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(PIPELINE_STAMP) ## ruff
-	@$(VENV)/bin/ruff check pipeline tests
+	@$(VENV)/bin/ruff check pipeline tests scripts
 
 clean: ## remove generated artifacts (keeps the environments and mlflow.db)
 	rm -rf $(ARTIFACTS)

@@ -31,6 +31,7 @@ from pipeline.fsutil import atomic_dir, read_json
 from pipeline.serve import (
     EngineSettings,
     ServeError,
+    ServerPool,
     UnsupportedFormat,
     VllmServer,
     known_refusal,
@@ -202,23 +203,30 @@ def _remember_unsupported(records: dict[str, ModelRecord]) -> None:
 
 @contextlib.contextmanager
 def _servers(models: list[Model], records: dict[str, ModelRecord], settings: EngineSettings,
-             logs: Path, label: str) -> Iterator[dict[str, VllmServer]]:
-    """Start a server per model; an unsupported format is recorded, not fatal."""
+             logs: Path, label: str, pool: ServerPool | None = None
+             ) -> Iterator[dict[str, VllmServer]]:
+    """A server per model; an unsupported format is recorded, not fatal. With a ``pool``, a
+    server it holds is reused and a new one is left running in it for the next stage."""
     with contextlib.ExitStack() as stack:
         live, starting = {}, []
         for model in models:  # launched together: on CPUs their loading overlaps
             record = records[model.name]
             if record.status != "ok":
                 continue
-            print(f"[bench] starting vLLM for {model.name} ({label}) ...", flush=True)
-            server = VllmServer(model.path, model.name, settings,
-                                logs / f"server-{model.name}-{label}.log")
+            server = pool.get(model.path, model.name, settings) if pool else None
+            if server is None:
+                print(f"[bench] starting vLLM for {model.name} ({label}) ...", flush=True)
+                server = VllmServer(model.path, model.name, settings,
+                                    logs / f"server-{model.name}-{label}.log")
+                server.launch()
+                stack.callback(_stop_unless_kept, server, pool)
+            else:
+                print(f"[bench] {model.name}: reusing the running vLLM server "
+                      f"({server.base_url})", flush=True)
             if settings.enable_prefix_caching:
                 cpu_env = [f"{k}={v}" for k, v in server.environment().items()
                            if k.startswith("VLLM_CPU")]
                 record.serve_command = shlex.join([*cpu_env, *server.command()])
-            server.launch()
-            stack.callback(server.stop)
             starting.append((model, server))
         started = time.monotonic()
         for model, server in starting:
@@ -229,6 +237,8 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
                 print(f"[bench] {model.name}: unsupported here: {err}", flush=True)
                 continue
             live[model.name] = server
+            if pool is not None:
+                pool.keep(server)
             print(f"[bench] {model.name} is up after {time.monotonic() - started:.0f} s "
                   f"({server.base_url})", flush=True)
         try:
@@ -237,6 +247,11 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
             for name, server in live.items():
                 records[name].peak_memory_bytes = max(records[name].peak_memory_bytes,
                                                       server.peak_memory_bytes)
+
+
+def _stop_unless_kept(server: VllmServer, pool: ServerPool | None) -> None:
+    if pool is None or not pool.holds(server):
+        server.stop()
 
 
 def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings) -> None:
@@ -261,14 +276,15 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
 
 
 def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str, ModelRecord],
-             settings: EngineSettings, out: Path, logs: Path, caching: bool) -> None:
+             settings: EngineSettings, out: Path, logs: Path, caching: bool,
+             pool: ServerPool | None = None) -> None:
     """Every workload, repeat and load point, the models of a group back to back."""
     label = "cache-on" if caching else "cache-off"
     run_settings = dataclasses.replace(settings, enable_prefix_caching=caching)
     todo = [w for w in loads if caching or w.compare_prefix_caching]
     steps = [(w, r, c) for w in todo for r in range(w.repeats) for c in w.load_points]
     for group in groups:
-        with _servers(group, records, run_settings, logs, label) as live:
+        with _servers(group, records, run_settings, logs, label, pool) as live:
             if not live or not steps:
                 continue
             if caching:
@@ -441,9 +457,12 @@ def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
 
 
 def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workload],
-          settings: EngineSettings, force: bool = False, target: str | None = None
-          ) -> dict[str, Any]:
-    """Measure the baseline and the variants; returns the summary (also on disk and MLflow)."""
+          settings: EngineSettings, force: bool = False, target: str | None = None,
+          pool: ServerPool | None = None) -> dict[str, Any]:
+    """Measure the baseline and the variants; returns the summary (also on disk and MLflow).
+
+    With a ``pool``, the servers (prefix caching on) stay up in it for the next stage.
+    """
     from pipeline.serve import serve_target
 
     target = target or serve_target()
@@ -468,7 +487,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
         # Server logs live outside the temp dir: a failed run's logs stay where errors point.
         logs = out.parent / "logs" / key
         with atomic_dir(out) as tmp:
-            _measure(groups, loads, records, settings, tmp, logs, caching=True)
+            _measure(groups, loads, records, settings, tmp, logs, caching=True, pool=pool)
             off = [w for w in loads if w.compare_prefix_caching]
             if off:
                 every = any(w.prefix_off_models != "baseline" for w in off)
@@ -507,6 +526,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--compile", action="store_true",
                         help="let vLLM compile (slower start-up, faster steady state)")
+    parser.set_defaults(servers=None)  # a campaign passes its ServerPool here
 
 
 def settings_from(args: argparse.Namespace) -> EngineSettings:
@@ -520,5 +540,6 @@ def run(args: argparse.Namespace) -> int:
     loads = [workloads_mod.load(w) for w in args.workload or workloads_mod.DEFAULT_WORKLOADS]
     if args.repeats:
         loads = [dataclasses.replace(w, repeats=args.repeats) for w in loads]
-    bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args), args.force)
+    bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args), args.force,
+          pool=args.servers)
     return 0

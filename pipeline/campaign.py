@@ -1,11 +1,12 @@
 """A campaign: every stage for every recipe, then one comparison logged as an MLflow parent run.
 
-``qpipe campaign`` (``make all``) runs quantize -> bench -> eval as the Makefile would, one
-sub-process per stage (per recipe for quantize: peak memory is measured per variant), printing
-progress and elapsed time; every stage reuses what it measured before, so a re-run with nothing
-changed finishes in seconds. ``qpipe compare`` (``make compare``) is the last step alone: it
-joins what is on disk (:mod:`pipeline.compare`), writes the report (:mod:`pipeline.report`) and
-logs one parent run with a nested child run per variant.
+``qpipe campaign`` (``make all``) runs quantize -> bench -> eval as the Makefile would,
+printing progress and elapsed time. Quantizing runs one process per recipe (peak memory is
+measured per variant), several at once on a CPU host; bench and eval run in this process and,
+on a CPU host, share the vLLM servers. Every stage reuses what it measured before, so a re-run
+with nothing changed finishes in seconds. ``qpipe compare`` (``make compare``) is the last
+step alone: it joins what is on disk (:mod:`pipeline.compare`), writes the report
+(:mod:`pipeline.report`) and logs one parent run with a nested child run per variant.
 
 What a campaign runs is a YAML file in ``configs/campaigns/`` (``default``; ``quick`` for a
 first look); every field can be overridden on the command line.
@@ -14,8 +15,10 @@ first look); every field can be overridden on the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -26,11 +29,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from pipeline import baseline as baselines
-from pipeline import compare, paths, report, tracking
+from pipeline import compare, jobs, paths, report, tracking
 from pipeline.errors import ConfigError, QpipeError
+from pipeline.serve import ServerPool, serve_target
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
 STAGE = "campaign"
@@ -126,10 +131,6 @@ def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
     return [*steps, *([("bench", bench)] if campaign.workloads else []), ("eval", evaluate)]
 
 
-def _clock(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
 def _needs_quantizing(argv: list[str]) -> bool:
     """Whether a quantize stage has work to do (a fresh process measures its peak memory)."""
     from pipeline import quantize, recipes
@@ -148,31 +149,84 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return cli.build_parser(argv[0]).parse_args(argv)
 
 
-def run_stages(steps: list[tuple[str, list[str]]], started: float) -> None:
-    """Stage by stage; quantizing runs in its own process, the rest (and up-to-date quantize
-    stages) in this one, so that a campaign with nothing to redo takes seconds."""
+def quantize_slots(baseline: str, target: str) -> int:
+    """How many quantize processes run at once: one per core on a CPU host (each calibrates on
+    one thread), as many as memory holds at ~3x the float32 weights plus 1.5 GB of runtime
+    each; one on a GPU host (one device). ``QPIPE_QUANTIZE_JOBS`` overrides."""
+    if os.environ.get("QPIPE_QUANTIZE_JOBS"):
+        return max(1, int(os.environ["QPIPE_QUANTIZE_JOBS"]))
+    if target != "cpu":
+        return 1
+    from pipeline import checkpoint
+
+    fp32 = 2 * checkpoint.measure(baselines.resolve(baseline).path).weight_bytes
+    fits = int(psutil.virtual_memory().available // (3 * fp32 + 1.5 * 2**30))
+    return max(1, min(os.cpu_count() or 1, fits))
+
+
+_LAYER = re.compile(r"\((\d+)/(\d+)\): (?:Calibrating|Propagating)")
+
+
+def _quantize_progress(job: jobs.Job) -> str:
+    found = _LAYER.findall(job.tail())
+    return f"layer {found[-1][0]}/{found[-1][1]}" if found else ""
+
+
+def _quantize_done(job: jobs.Job) -> None:
+    """One line per finished variant: its own summary line ("wrote ...: format, size")."""
+    wrote = [line.removeprefix("[quantize] ") for line in job.tail(65536).splitlines()
+             if line.startswith("[quantize] wrote")]
+    took = jobs.clock(time.monotonic() - job.started)
+    print(f"[all] {job.label}: done in {took}{' - ' + wrote[-1] if wrote else ''}", flush=True)
+
+
+def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
+    """Quantize stages with work to do, ``slots`` at a time, each in its own process (its
+    peak memory is its own) with its own log under artifacts/logs/."""
+    logs = paths.artifacts_dir() / "logs"
+    todo = [jobs.Job(label, [*_qpipe(), *argv], logs / f"{label.replace(' ', '-')}.log",
+                     cwd=paths.PROJECT_ROOT) for label, argv in steps]
+    try:
+        jobs.run_all(todo, slots, on_done=_quantize_done, progress=_quantize_progress)
+    except jobs.JobFailed as err:
+        print(err.job.tail(3000), file=sys.stderr)
+        argv = dict(steps)[err.job.label]
+        raise StageFailed(f"stage '{err.job.label}' failed (exit {err.code}); the end of its "
+                          f"log is above, all of it in {err.job.log}. Re-run it alone: "
+                          f"qpipe {shlex.join(argv)}") from None
+
+
+def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str) -> None:
+    """Stage by stage. Quantize stages with work to do run as processes, several at once on a
+    CPU host; the rest run in this process, so a campaign with nothing to redo takes seconds.
+    On a CPU host bench leaves its servers up for eval (one ~40 s start per model, not two)."""
+    target = serve_target()
     total = len(steps) + 1
-    for number, (label, argv) in enumerate(steps, start=1):
-        print(f"\n[all {number}/{total}] {label} (elapsed {_clock(time.monotonic() - started)})",
-              flush=True)
-        if argv[0] == "quantize" and _needs_quantizing(argv):
-            proc = subprocess.Popen([*_qpipe(), *argv], cwd=paths.PROJECT_ROOT)
+    numbered = list(enumerate(steps, start=1))
+    redo = [(n, s) for n, s in numbered if s[1][0] == "quantize" and _needs_quantizing(s[1])]
+    if redo:
+        slots = min(len(redo), quantize_slots(baseline, target))
+        if slots > 1:
+            tracking.prepare(baselines.resolve(baseline).name)
+        first, last = redo[0][0], redo[-1][0]
+        print(f"\n[all {first}{f'-{last}' if last != first else ''}/{total}] "
+              f"{', '.join(label for _, (label, _) in redo)}: {slots} at a time "
+              f"(elapsed {jobs.clock(time.monotonic() - started)})", flush=True)
+        quantize_stages([s for _, s in redo], slots)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ServerPool()) if target == "cpu" else None
+        for number, (label, argv) in numbered:
+            if any(number == n for n, _ in redo):
+                continue
+            print(f"\n[all {number}/{total}] {label} (elapsed "
+                  f"{jobs.clock(time.monotonic() - started)})", flush=True)
+            args = _parse(argv)
+            args.servers = pool
             try:
-                code = proc.wait()
-            except KeyboardInterrupt:
-                proc.terminate()  # the stage cleans up after itself (temp dirs)
-                proc.wait()
-                raise
-            if code != 0:
-                raise StageFailed(f"stage '{label}' failed (exit {code}); its message is above. "
-                                  f"Re-run it alone: qpipe {shlex.join(argv)}")
-            continue
-        args = _parse(argv)
-        try:
-            args._run(args)
-        except QpipeError as err:
-            raise StageFailed(f"stage '{label}' failed: {err}\nRe-run it alone: "
-                              f"qpipe {shlex.join(argv)}") from err
+                args._run(args)
+            except QpipeError as err:
+                raise StageFailed(f"stage '{label}' failed: {err}\nRe-run it alone: "
+                                  f"qpipe {shlex.join(argv)}") from err
 
 
 # --- the comparison and its MLflow runs --------------------------------------------------------
@@ -357,10 +411,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
     steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
-    run_stages(steps, started)
+    run_stages(steps, started, args.baseline)
     total = len(steps) + 1
-    print(f"\n[all {total}/{total}] compare (elapsed {_clock(time.monotonic() - started)})")
+    print(f"\n[all {total}/{total}] compare (elapsed {jobs.clock(time.monotonic() - started)})")
     compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,
                     not args.no_track)
-    print(f"[all] done in {_clock(time.monotonic() - started)}")
+    print(f"[all] done in {jobs.clock(time.monotonic() - started)}")
     return 0

@@ -26,12 +26,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import baseline as baselines
 from pipeline import checkpoint, divergence, paths, recovery, suites, tracking
 from pipeline.errors import ConfigError, QpipeError
 from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from pipeline.serve import ServerPool
 
 STAGE = "eval"
 SERVED = "served"  # local-completions against vLLM: the serving numerics
@@ -76,7 +79,7 @@ class Model:
 
     @property
     def served_name(self) -> str:
-        return f"qpipe-{self.label}"
+        return self.label  # as `qpipe bench` names it, so a campaign can share the server
 
 
 @dataclass
@@ -293,13 +296,20 @@ def run_task(lm: Any, model_args: str | None, model: Model, task: suites.Task, b
 
 
 @contextlib.contextmanager
-def _lm(model: Model, backend: str, settings: Settings, log_dir: Path
-        ) -> Iterator[tuple[Any, str | None]]:
-    """(model or its name, model_args) for simple_evaluate; serves the model when SERVED."""
+def _lm(model: Model, backend: str, settings: Settings, log_dir: Path,
+        pool: ServerPool | None = None) -> Iterator[tuple[Any, str | None]]:
+    """(model or its name, model_args) for simple_evaluate; serves the model when SERVED
+    (through the pool's server when it holds one started with the same settings)."""
     if backend == SERVED:
         from pipeline.serve import EngineSettings, VllmServer
 
         engine = EngineSettings(max_model_len=_max_model_len(model, settings))
+        running = pool.get(model.path, model.served_name, engine) if pool else None
+        if running is not None:
+            print(f"[eval] {model.label}: scoring through the running vLLM server "
+                  f"({running.base_url})", flush=True)
+            yield "local-completions", served_model_args(model, running.base_url, settings)
+            return
         log = log_dir / f"{model.label}-vllm.log"
         print(f"[eval] {model.label}: starting vLLM (log {_shown(log)})", flush=True)
         with VllmServer(model.path, model.served_name, engine, log) as server:
@@ -313,7 +323,8 @@ def _lm(model: Model, backend: str, settings: Settings, log_dir: Path
 
 
 def score(base_name: str, model: Model, tasks: list[suites.Task], backend: str,
-          settings: Settings, force: bool = False) -> dict[str, TaskResult]:
+          settings: Settings, force: bool = False, pool: ServerPool | None = None
+          ) -> dict[str, TaskResult]:
     """Every task on one model through one backend; cached results are reused."""
     _quiet_libraries()
     results: dict[str, TaskResult] = {}
@@ -331,7 +342,7 @@ def score(base_name: str, model: Model, tasks: list[suites.Task], backend: str,
         return results
     if results:
         print(f"[eval] {tag}: {len(results)} task(s) cached, {len(todo)} to score")
-    with _lm(model, backend, settings, cache_root(base_name) / "logs") as (lm, model_args):
+    with _lm(model, backend, settings, cache_root(base_name) / "logs", pool) as (lm, model_args):
         for number, task in enumerate(todo, start=1):
             limit = settings.for_task(task)["limit"]
             print(f"[eval] {tag}: task {number}/{len(todo)} {task.name}"
@@ -346,7 +357,8 @@ def score(base_name: str, model: Model, tasks: list[suites.Task], backend: str,
 
 
 def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settings: Settings,
-                  force: bool = False) -> tuple[str, dict[str, TaskResult]]:
+                  force: bool = False, pool: ServerPool | None = None
+                  ) -> tuple[str, dict[str, TaskResult]]:
     """Served when vLLM serves this format here (or ``--backend``), else emulated."""
     from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
 
@@ -358,7 +370,7 @@ def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settin
               "with lm-eval's hf backend on de-compressed weights (emulated)")
         return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
     try:
-        return SERVED, score(base_name, model, tasks, SERVED, settings, force)
+        return SERVED, score(base_name, model, tasks, SERVED, settings, force, pool)
     except UnsupportedFormat as err:
         if settings.backend == "served":
             raise
@@ -598,11 +610,12 @@ def resolve_tasks(suite_names: list[str] | None, task_names: list[str] | None) -
 
 
 def _score_baseline(base: baselines.Baseline, model: Model, tasks: list[suites.Task],
-                    backend: str, settings: Settings, force: bool) -> dict[str, TaskResult]:
+                    backend: str, settings: Settings, force: bool, pool: ServerPool | None
+                    ) -> dict[str, TaskResult]:
     from pipeline.serve import UnsupportedFormat
 
     try:
-        return score(base.name, model, tasks, backend, settings, force)
+        return score(base.name, model, tasks, backend, settings, force, pool)
     except UnsupportedFormat as err:
         raise EvalError(f"the baseline {base.name} cannot be served by vLLM here, so the served "
                         f"variants have nothing to be compared with: {err} Fix: score everything "
@@ -611,17 +624,20 @@ def _score_baseline(base: baselines.Baseline, model: Model, tasks: list[suites.T
 
 def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites.Task],
              settings: Settings, force: bool = False, with_divergence: bool = True,
-             track: bool = True) -> dict[str, dict[str, Any]]:
-    """Score, compare and record; returns label -> {backend, results, recoveries, figures}."""
+             track: bool = True, pool: ServerPool | None = None) -> dict[str, dict[str, Any]]:
+    """Score, compare and record; returns label -> {backend, results, recoveries, figures}.
+
+    A ``pool`` (a campaign's) lends servers its bench stage left running.
+    """
     suites.prepare_for(tasks)
     base_model = baseline_model(base)
     scored: dict[str, tuple[str, dict[str, TaskResult]]] = {}
     for number, model in enumerate(variants, start=1):
         print(f"[eval] variant {number}/{len(variants)}: {model.label} ({len(tasks)} task(s))")
-        scored[model.label] = score_variant(base.name, model, tasks, settings, force)
+        scored[model.label] = score_variant(base.name, model, tasks, settings, force, pool)
     backends = sorted({b for b, _ in scored.values()}) or [
         EMULATED if settings.backend == "hf" else SERVED]
-    base_results = {b: _score_baseline(base, base_model, tasks, b, settings, force)
+    base_results = {b: _score_baseline(base, base_model, tasks, b, settings, force, pool)
                     for b in backends}
     report: dict[str, dict[str, Any]] = {}
     div_dir = cache_root(base.name) / "divergence"
@@ -678,6 +694,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-divergence", action="store_true",
                         help="skip KL divergence / top-1 agreement / perplexity")
     parser.add_argument("--force", action="store_true", help="re-score even if cached")
+    parser.set_defaults(servers=None)  # a campaign passes its ServerPool here
 
 
 def run(args: argparse.Namespace) -> int:
@@ -695,5 +712,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"[eval] no variant of {base.name} on disk: scoring the baseline only "
               "(make quantize makes the variants)")
     evaluate(base, variants, tasks, settings, force=args.force,
-             with_divergence=not args.no_divergence)
+             with_divergence=not args.no_divergence, pool=args.servers)
     return 0

@@ -320,6 +320,48 @@ class VllmServer:
             self._sampler.join(timeout=5)
 
 
+class ServerPool:
+    """Servers kept up from one stage to the next (a campaign's bench, then its eval).
+
+    On a CPU host a start costs ~40 s per model; the pool pays it once. Servers are keyed by
+    checkpoint, served name and engine settings, so a stage only reuses a server started
+    exactly as it would start one itself. Whatever is still up is stopped on exit.
+    """
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[str, str, EngineSettings], VllmServer] = {}
+
+    @staticmethod
+    def _key(model_dir: Path, served_name: str, settings: EngineSettings
+             ) -> tuple[str, str, EngineSettings]:
+        return str(Path(model_dir).resolve()), served_name, settings
+
+    def get(self, model_dir: Path, served_name: str, settings: EngineSettings
+            ) -> VllmServer | None:
+        """The running server for exactly these settings, if the pool holds one."""
+        server = self._servers.get(self._key(model_dir, served_name, settings))
+        if server is None or server.proc is None or server.proc.poll() is not None:
+            return None
+        return server
+
+    def keep(self, server: VllmServer) -> None:
+        self._servers[self._key(server.model_dir, server.served_name, server.settings)] = server
+
+    def holds(self, server: VllmServer) -> bool:
+        return any(s is server for s in self._servers.values())
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _gpu_memory_of(pids: set[int]) -> int:
     try:
         out = subprocess.run(

@@ -45,6 +45,14 @@ def experiment_name(baseline_name: str) -> str:
     return f"{EXPERIMENT_PREFIX}{baseline_name}"
 
 
+def prepare(baseline_name: str) -> None:
+    """Create the store and the baseline's experiment now: processes that log at once must
+    not race to create the schema of a new SQLite store."""
+    mlflow = mlflow_module()
+    if mlflow.get_experiment_by_name(experiment_name(baseline_name)) is None:
+        mlflow.set_experiment(experiment_name(baseline_name))
+
+
 def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:
     """The id of a finished run of ``stage`` with this cache key, if one is recorded."""
     mlflow = mlflow_module()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 TARGET_CHARS = 2000

@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 from pipeline import baseline as baselines
-from pipeline import bench, capacity, quantize, recipes, tracking, workloads
-from pipeline.serve import EngineSettings, serve_python
+from pipeline import bench, capacity, evaluate, quantize, recipes, suites, tracking, workloads
+from pipeline.serve import EngineSettings, ServerPool, serve_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -71,7 +71,22 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     loads = [workloads.load(str(workspace / "tiny.yaml")),
              workloads.load(str(workspace / "tinyprefix.yaml"))]
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
-    summary = bench.bench(base, ["int4"], loads, settings, target="cpu")
+    with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
+        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
+        kept = [pool.get(path, name, settings) for name, path in
+                (("baseline", base.path), ("int4", workspace / "artifacts" / "variants" /
+                                           base.name / "int4"))]
+        assert all(server is not None and server.healthy() for server in kept)
+        bench_out = capsys.readouterr().out
+        scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
+                                   suites.select(tasks=["app_facts"]),
+                                   evaluate.Settings(limit=4, max_model_len=512),
+                                   with_divergence=False, track=False, pool=pool)
+        out = capsys.readouterr().out
+        assert out.count("scoring through the running vLLM server") == 2, out
+        assert "starting vLLM" not in out
+        assert scored["int4"]["backend"] == evaluate.SERVED
+        assert len(scored["int4"]["results"]["app_facts"].per_item["acc,none"]) == 4
 
     assert _vllm_processes() == [], "a server outlived the run"
     for name in ("baseline", "int4"):
@@ -98,7 +113,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert int4[tracking.SPEEDUP] == pytest.approx(int4[tracking.OUTPUT_TOKENS_PER_S] /
                                                    baseline_tps)
     assert "speedup" not in summary["baseline"]["workloads"]["tiny"]["points"][2]
-    assert "tiny (concurrency 2" in capsys.readouterr().out
+    assert "tiny (concurrency 2" in bench_out
 
     import mlflow
 

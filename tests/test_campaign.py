@@ -37,9 +37,12 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
 
     first = run_cli(*args, env={"MLFLOW_TRACKING_URI": sqlite})
     assert first.returncode == 0, first.stderr[-3000:]
-    for step in ("[all 1/4] quantize fp8", "[all 2/4] quantize mxfp4", "[all 3/4] eval",
-                 "[all 4/4] compare", "recommendation: none."):
+    for step in ("[all 1-2/4] quantize fp8, quantize mxfp4: ", "[all] quantize fp8: done in",
+                 "[all] quantize mxfp4: done in", "[all 3/4] eval", "[all 4/4] compare",
+                 "recommendation: none."):
         assert step in first.stdout, step
+    logs = workspace / "artifacts" / "logs"
+    assert "[quantize] wrote" in (logs / "quantize-fp8.log").read_text()
     report = workspace / "artifacts" / "reports" / tiny_model.name / "report.html"
     assert report.is_file()
 
@@ -47,6 +50,7 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
     again = run_cli(*args, env={"MLFLOW_TRACKING_URI": postgres_uri})
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("is up to date") == 2
+    assert "[all 1/4] quantize fp8" in again.stdout
     assert "all 3 task(s) up to date" in again.stdout
 
     experiment = f"qpipe/{tiny_model.name}"

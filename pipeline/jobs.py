@@ -1,0 +1,100 @@
+"""Commands run as sub-processes a few at a time, each writing to its own log file.
+
+A line of progress every half minute, the first failure stops the rest, and an interrupt
+(Ctrl-C, SIGTERM) stops every running command before it is re-raised: each command cleans up
+after itself (its temp directories) on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import QpipeError
+
+
+class JobFailed(QpipeError):
+    def __init__(self, job: Job, code: int) -> None:
+        super().__init__(f"{job.label} failed (exit {code}); log: {job.log}")
+        self.job, self.code = job, code
+
+
+@dataclass
+class Job:
+    label: str
+    argv: list[str]
+    log: Path
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started: float = 0.0
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=self.cwd)
+        self.started = time.monotonic()
+
+    def tail(self, size: int = 8192) -> str:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(max(0, f.seek(0, 2) - size))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _state(job: Job, now: float, progress: Callable[[Job], str]) -> str:
+    parts = [p for p in (progress(job), clock(now - job.started)) if p]
+    return f"{job.label} ({', '.join(parts)})"
+
+
+def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda job: None,
+            progress: Callable[[Job], str] = lambda job: "", heartbeat_s: float = 30,
+            poll_s: float = 0.5) -> None:
+    """Run ``jobs`` with at most ``slots`` at once, in order; raises JobFailed on the first
+    non-zero exit (after stopping the others)."""
+    waiting, running = list(jobs), []
+    last_beat = time.monotonic()
+    try:
+        while waiting or running:
+            while waiting and len(running) < max(1, slots):
+                job = waiting.pop(0)
+                job.start()
+                running.append(job)
+                print(f"[all] {job.label}: started (log {job.log})", flush=True)
+            time.sleep(poll_s)
+            for job in list(running):
+                assert job.proc is not None
+                code = job.proc.poll()
+                if code is None:
+                    continue
+                running.remove(job)
+                if code != 0:
+                    raise JobFailed(job, code)
+                on_done(job)
+            if running and time.monotonic() - last_beat >= heartbeat_s:
+                last_beat = time.monotonic()
+                states = [_state(job, last_beat, progress) for job in running]
+                if waiting:
+                    states.append(f"{len(waiting)} waiting")
+                print(f"[all] running: {'; '.join(states)}", flush=True)
+    finally:
+        for job in running:
+            job.stop()
