@@ -622,6 +622,23 @@ def _score_baseline(base: baselines.Baseline, model: Model, tasks: list[suites.T
                         "with BACKEND=hf (qpipe eval --backend hf).") from None
 
 
+def _divergences(base: baselines.Baseline, variants: list[Model]
+                 ) -> dict[Path, divergence.Divergence]:
+    """Held-out divergence of each variant (and the baseline's own perplexity), cached per
+    model identity, held-out text and dtype."""
+    div_dir = cache_root(base.name) / "divergence"
+    # the figures depend on the text and on the dtype the models ran in
+    text = f"{divergence.text_hash(divergence.heldout_text())}-{divergence.HF_DTYPE}"
+    caches = {base.path: div_dir / f"{base.identity}-self-{text}.json",
+              **{m.path: div_dir / f"{m.identity}-vs-{base.identity}-{text}.json"
+                 for m in variants}}
+    todo = sum(not cache.is_file() for cache in caches.values())
+    if todo:
+        print(f"[eval] divergence on held-out text ({_shown(divergence.HELDOUT)}): "
+              f"{todo} model(s) against the baseline ...", flush=True)
+    return divergence.measure_all(base.path, caches)
+
+
 def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites.Task],
              settings: Settings, force: bool = False, with_divergence: bool = True,
              track: bool = True, pool: ServerPool | None = None) -> dict[str, dict[str, Any]]:
@@ -640,11 +657,8 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
     base_results = {b: _score_baseline(base, base_model, tasks, b, settings, force, pool)
                     for b in backends}
     report: dict[str, dict[str, Any]] = {}
-    div_dir = cache_root(base.name) / "divergence"
-    text_sha = divergence.text_hash(divergence.heldout_text()) if with_divergence else ""
-    text_sha += f"-{divergence.HF_DTYPE}"  # the figures depend on the dtype the models ran in
-    base_div = divergence.measure(base.path, base.path, div_dir / f"{base.identity}-self-"
-                                  f"{text_sha}.json") if with_divergence else None
+    divs = _divergences(base, variants) if with_divergence else {}
+    base_div = divs.get(base.path)
     for backend, results in base_results.items():
         if track:
             log_mlflow(base, base_model, backend, tasks, results, None, None, base_div, None,
@@ -654,8 +668,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
         backend, results = scored[model.label]
         recoveries = compare(tasks, base_results[backend], results)
         figures = suite_figures(tasks, base_results[backend], results)
-        div = divergence.measure(base.path, model.path, div_dir / f"{model.identity}-vs-"
-                                 f"{base.identity}-{text_sha}.json") if with_divergence else None
+        div = divs.get(model.path)
         print_report(model, backend, tasks, recoveries, figures, div)
         summary = write_summary(base.name, model, backend, tasks, recoveries, results, figures,
                                 div)
