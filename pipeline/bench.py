@@ -295,6 +295,8 @@ def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str
                 for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
                     key = workload.name if caching else f"{workload.name}_nocache"
                     for name, server in live.items():
+                        if not (workload.runs_on(name) if caching else workload.runs_off(name)):
+                            continue
                         print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency "
                               f"{concurrency} repeat {repeat + 1}/{workload.repeats}", flush=True)
                         _load_point(client, server, records[name], workload, concurrency,
@@ -490,8 +492,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
             _measure(groups, loads, records, settings, tmp, logs, caching=True, pool=pool)
             off = [w for w in loads if w.compare_prefix_caching]
             if off:
-                every = any(w.prefix_off_models != "baseline" for w in off)
-                off_models = models if every else models[:1]  # the baseline comes first
+                off_models = [m for m in models if any(w.runs_off(m.name) for w in off)]
                 off_groups = [off_models] if target == "cpu" else [[m] for m in off_models]
                 _measure(off_groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)

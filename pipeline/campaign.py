@@ -180,6 +180,14 @@ def _quantize_done(job: jobs.Job) -> None:
     print(f"[all] {job.label}: done in {took}{' - ' + wrote[-1] if wrote else ''}", flush=True)
 
 
+def _calibration_first(step: tuple[str, list[str]]) -> bool:
+    """Recipes that calibrate (minutes) start before data-free ones (seconds): fewer idle
+    slots at the end."""
+    from pipeline import recipes
+
+    return recipes.load(_parse(step[1]).recipe).calibration is None
+
+
 def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
     """Quantize stages with work to do, ``slots`` at a time, each in its own process (its
     peak memory is its own) with its own log under artifacts/logs/."""
@@ -212,7 +220,7 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str
         print(f"\n[all {first}{f'-{last}' if last != first else ''}/{total}] "
               f"{', '.join(label for _, (label, _) in redo)}: {slots} at a time "
               f"(elapsed {jobs.clock(time.monotonic() - started)})", flush=True)
-        quantize_stages([s for _, s in redo], slots)
+        quantize_stages(sorted((s for _, s in redo), key=_calibration_first), slots)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ServerPool()) if target == "cpu" else None
         for number, (label, argv) in numbered:

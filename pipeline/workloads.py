@@ -43,9 +43,18 @@ class Workload:
     suffix_len: int = 0
     num_prefixes: int = 1
     compare_prefix_caching: bool = False
-    # with caching off, measure every model or only the baseline (what reuse buys is mostly
-    # the engine's, not the precision's; each caching-off pass restarts every server)
+    # which models run it: every one, or only the baseline (what prefix reuse buys is mostly
+    # the engine's, not the precision's)
+    models: str = "all"
+    # with caching off, every model it runs on or only the baseline (a restart each)
     prefix_off_models: str = "all"
+
+    def runs_on(self, model_name: str) -> bool:
+        return self.models == "all" or model_name == "baseline"
+
+    def runs_off(self, model_name: str) -> bool:
+        return self.runs_on(model_name) and (self.prefix_off_models == "all"
+                                             or model_name == "baseline")
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
@@ -80,7 +89,7 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "repeats": int, "seed": int, "prompts_per_concurrency": int, "min_prompts": int,
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
-          "prefix_off_models": str}
+          "models": str, "prefix_off_models": str}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len")}
 
@@ -123,9 +132,9 @@ def load(name_or_path: str) -> Workload:
     headline = data.get("headline", points[0])
     if headline not in points:
         raise ConfigError(f"{path}: headline {headline} is not one of the load_points {points}.")
-    if data.get("prefix_off_models", "all") not in ("all", "baseline"):
-        raise ConfigError(f"{path}: prefix_off_models is 'all' or 'baseline', not "
-                          f"{data['prefix_off_models']!r}.")
+    for key in ("models", "prefix_off_models"):
+        if data.get(key, "all") not in ("all", "baseline"):
+            raise ConfigError(f"{path}: {key} is 'all' or 'baseline', not {data[key]!r}.")
     values: dict[str, Any] = {k: v for k, v in data.items() if k not in ("load_points",)}
     values.update(load_points=tuple(points), headline=headline, dataset=dataset,
                   description=str(data.get("description", "")),

@@ -20,7 +20,19 @@ def test_shipped_workloads_load_and_describe_a_client_run() -> None:
     prefix = workloads.load("prefix")
     assert prefix.compare_prefix_caching and prefix.prefix_len % 128 == 0
     assert "--prefix-repetition-prefix-len" in prefix.client_args(4)
-    assert prefix.max_tokens_per_request == 512 + 64 + 16
+    assert prefix.max_tokens_per_request == 512 + 64 + prefix.output_len
+    # prefix reuse is measured on the baseline; the chat sweep runs on every model
+    assert prefix.runs_on("baseline") and prefix.runs_off("baseline")
+    assert not prefix.runs_on("int8") and not prefix.runs_off("int8")
+    assert chat.runs_on("int8")
+
+
+def test_models_and_prefix_off_models_choose_who_runs_a_workload(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("dataset: prefix_repetition\nprefix_len: 128\nsuffix_len: 8\noutput_len: 4\n"
+                    "compare_prefix_caching: true\nprefix_off_models: baseline\n")
+    every = workloads.load(str(path))
+    assert every.runs_on("int8") and not every.runs_off("int8") and every.runs_off("baseline")
 
 
 @pytest.mark.parametrize("body, message", [
@@ -31,6 +43,8 @@ def test_shipped_workloads_load_and_describe_a_client_run() -> None:
     ("dataset: random\ninput_len: 8\noutput_len: 8\nconcurency: 4\n", "unknown field"),
     ("dataset: random\ninput_len: eight\noutput_len: 8\n", "wrong type"),
     ("dataset: random: x\n", "line 1"),
+    ("dataset: random\ninput_len: 8\noutput_len: 8\nmodels: variants\n",
+     "models is 'all' or 'baseline'"),
 ])
 def test_bad_workloads_name_the_file_and_field(tmp_path: Path, body: str, message: str) -> None:
     path = tmp_path / "w.yaml"
