@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import select
 import shlex
 import statistics
@@ -34,6 +35,7 @@ from pipeline.serve import (
     ServerPool,
     UnsupportedFormat,
     VllmServer,
+    cpu_preload,
     known_refusal,
     remember_refusal,
     serve_python,
@@ -181,7 +183,9 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     payload = {"models": [(m.recipe, m.identity) for m in models],
                "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
                "engine": dataclasses.asdict(settings),
-               "target": target, "vllm": vllm_version()}
+               "target": target, "vllm": vllm_version(),
+               "ld_preload": os.environ.get("LD_PRELOAD", cpu_preload()) if target == "cpu"
+               else ""}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -225,7 +229,7 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
                       f"({server.base_url})", flush=True)
             if settings.enable_prefix_caching:
                 cpu_env = [f"{k}={v}" for k, v in server.environment().items()
-                           if k.startswith("VLLM_CPU")]
+                           if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"]
                 record.serve_command = shlex.join([*cpu_env, *server.command()])
             starting.append((model, server))
         started = time.monotonic()
@@ -404,6 +408,8 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
                   "serve_target": target, "vllm": vllm_version(), **settings.as_params()}
+        if target == "cpu":
+            params["ld_preload"] = os.environ.get("LD_PRELOAD", cpu_preload()) or "none"
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
         if entry["status"] != "ok":

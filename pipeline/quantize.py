@@ -31,8 +31,11 @@ STAGE = "quantize"
 # How the model is held while llmcompressor calibrates; part of the cache key. On CPUs without
 # bf16 units, float32 matmuls are ~3x faster, and one torch thread avoids a 2-thread OpenMP
 # team stalling on every one of GPTQ's tiny ops whenever anything else uses the CPU (measured
-# 4-13x); the checkpoint is cast back to bf16 before it is compressed and saved.
-METHOD = "cpu: float32 calibration (bf16 if memory is short), 1 thread; cuda: bf16"
+# 4-13x); the checkpoint is cast back to bf16 before it is compressed and saved. Calibration
+# samples go in a fixed order (llmcompressor shuffles them with an unseeded generator by
+# default, and GPTQ's sums then differ run to run): the same inputs give the same checkpoint.
+METHOD = ("cpu: float32 calibration (bf16 if memory is short), 1 thread; cuda: bf16; "
+          "samples in order")
 
 
 def library_versions() -> dict[str, str]:
@@ -200,7 +203,8 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
         print(f"[quantize] calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
               f"from {calib.dataset}")
         data_args = {"dataset": data, "num_calibration_samples": len(data),
-                     "max_seq_length": calib.max_seq_length}
+                     "max_seq_length": calib.max_seq_length,
+                     "shuffle_calibration_samples": False}
     threads = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
