@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import select
 import shlex
 import statistics
@@ -35,7 +34,6 @@ from pipeline.serve import (
     ServerPool,
     UnsupportedFormat,
     VllmServer,
-    cpu_preload,
     known_refusal,
     remember_refusal,
     serve_python,
@@ -183,9 +181,7 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     payload = {"models": [(m.recipe, m.identity) for m in models],
                "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
                "engine": dataclasses.asdict(settings),
-               "target": target, "vllm": vllm_version(),
-               "ld_preload": os.environ.get("LD_PRELOAD", cpu_preload()) if target == "cpu"
-               else ""}
+               "target": target, "vllm": vllm_version()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -229,7 +225,7 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
                       f"({server.base_url})", flush=True)
             if settings.enable_prefix_caching:
                 cpu_env = [f"{k}={v}" for k, v in server.environment().items()
-                           if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"]
+                           if k.startswith("VLLM_CPU")]
                 record.serve_command = shlex.join([*cpu_env, *server.command()])
             starting.append((model, server))
         started = time.monotonic()
@@ -408,8 +404,6 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
                   "serve_target": target, "vllm": vllm_version(), **settings.as_params()}
-        if target == "cpu":
-            params["ld_preload"] = os.environ.get("LD_PRELOAD", cpu_preload()) or "none"
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
         if entry["status"] != "ok":

