@@ -280,10 +280,12 @@ def plot_latency(comparison: Comparison) -> tuple[str, str]:
     """TTFT and ITL percentiles per load point, one line per served model."""
     plt = _pyplot()
     fig, (ttft, itl) = plt.subplots(1, 2, figsize=(8, 3.2))
+    loads: set[int] = set()
     for row in comparison.rows:
         if row.serving != "ok" or not row.sweep:
             continue
         points = sorted(row.sweep)
+        loads.update(points)
         for ax, metric in ((ttft, "ttft_ms"), (itl, "itl_ms")):
             line = ax.plot(points, [row.sweep[p].get(f"{metric}_p50") for p in points],
                            marker="o", label=f"{row.name} p50")[0]
@@ -293,6 +295,9 @@ def plot_latency(comparison: Comparison) -> tuple[str, str]:
         ax.set_xlabel("concurrency")
         ax.set_title(title)
         ax.set_xscale("log", base=2)
+        if loads:  # the load points themselves, not powers of two
+            ax.set_xticks(sorted(loads), [str(p) for p in sorted(loads)])
+            ax.minorticks_off()
         if ax.lines:
             ax.legend(fontsize=6)
     return "latency", _svg(fig)
