@@ -65,7 +65,7 @@ opt = $(if $(2),$(1) $(2))
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
-	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
+	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT QUANTIZE_JOBS CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
 	@scripts/setup.sh pipeline
@@ -81,6 +81,7 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
 	  $(call opt,--repeats,$(REPEATS)) $(call opt,--gpu,$(PLAN_GPU)) \
 	  $(call opt,--context,$(PLAN_CONTEXT)) $(if $(FORCE),--force) \
+	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) \
 	  $(if $(MAX_MODEL_LEN),--engine-arg=--max-model-len=$(MAX_MODEL_LEN)) \
 	  $(if $(KV_CACHE_GIB),--engine-arg=--kv-cache-gib=$(KV_CACHE_GIB)) \
 	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL))

@@ -149,10 +149,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return cli.build_parser(argv[0]).parse_args(argv)
 
 
-def quantize_slots(baseline: str, target: str) -> int:
+def quantize_slots(baseline: str, target: str, jobs_wanted: int | None = None) -> int:
     """How many quantize processes run at once: one per core on a CPU host (each calibrates on
     one thread), as many as memory holds at ~3x the float32 weights plus 1.5 GB of runtime
-    each; one on a GPU host (one device). ``QPIPE_QUANTIZE_JOBS`` overrides."""
+    each; one on a GPU host (one device). ``--quantize-jobs`` (``QUANTIZE_JOBS=``) or
+    ``QPIPE_QUANTIZE_JOBS`` overrides."""
+    if jobs_wanted:
+        return max(1, jobs_wanted)
     if os.environ.get("QPIPE_QUANTIZE_JOBS"):
         return max(1, int(os.environ["QPIPE_QUANTIZE_JOBS"]))
     if target != "cpu":
@@ -204,7 +207,8 @@ def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
                           f"qpipe {shlex.join(argv)}") from None
 
 
-def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str) -> None:
+def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str,
+               quantize_jobs: int | None = None) -> None:
     """Stage by stage. Quantize stages with work to do run as processes, several at once on a
     CPU host; the rest run in this process, so a campaign with nothing to redo takes seconds.
     On a CPU host bench leaves its servers up for eval (one ~40 s start per model, not two)."""
@@ -213,7 +217,7 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str
     numbered = list(enumerate(steps, start=1))
     redo = [(n, s) for n, s in numbered if s[1][0] == "quantize" and _needs_quantizing(s[1])]
     if redo:
-        slots = min(len(redo), quantize_slots(baseline, target))
+        slots = min(len(redo), quantize_slots(baseline, target, quantize_jobs))
         if slots > 1:
             tracking.prepare(baselines.resolve(baseline).name)
         first, last = redo[0][0], redo[-1][0]
@@ -401,6 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", action="append", help="override the campaign's suites")
     parser.add_argument("--limit", type=int, help="override the campaign's items per task")
     parser.add_argument("--force", action="store_true", help="redo every stage")
+    parser.add_argument("--quantize-jobs", type=int,
+                        help="recipes quantized at once (default: one per core on a CPU host, "
+                             "as memory allows; one on a GPU host)")
     parser.add_argument("--engine-arg", action="append", default=[],
                         help="passed to `qpipe bench` (e.g. --engine-arg=--kv-cache-gib=2)")
 
@@ -419,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
     steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
-    run_stages(steps, started, args.baseline)
+    run_stages(steps, started, args.baseline, args.quantize_jobs)
     total = len(steps) + 1
     print(f"\n[all {total}/{total}] compare (elapsed {jobs.clock(time.monotonic() - started)})")
     compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,

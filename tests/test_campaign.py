@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests import services
 from tests.conftest import run_cli
 
@@ -79,3 +81,19 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
     dom = services.render_dom(report, chromium_path)
     assert dom.count("<svg") == 4
     assert 'id="comparison"' in dom and "mxfp4" in dom and "emulated" in dom
+
+
+def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from pipeline import campaign
+
+    monkeypatch.delenv("QPIPE_QUANTIZE_JOBS", raising=False)
+    cpu = campaign.quantize_slots(str(tiny_model), "cpu")
+    assert cpu == (os.cpu_count() or 1)  # a tiny model never limits by memory
+    assert campaign.quantize_slots(str(tiny_model), "cuda") == 1
+    assert campaign.quantize_slots(str(tiny_model), "cuda", 3) == 3
+    monkeypatch.setenv("QPIPE_QUANTIZE_JOBS", "1")
+    assert campaign.quantize_slots(str(tiny_model), "cpu") == 1
