@@ -131,14 +131,13 @@ def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
     return [*steps, *([("bench", bench)] if campaign.workloads else []), ("eval", evaluate)]
 
 
-def _needs_quantizing(argv: list[str]) -> bool:
+def _needs_quantizing(argv: list[str], base: baselines.Baseline) -> bool:
     """Whether a quantize stage has work to do (a fresh process measures its peak memory)."""
     from pipeline import quantize, recipes
 
     args = _parse(argv)
     if args.force:
         return True
-    base = baselines.resolve(args.baseline)
     manifest = quantize.read_json(paths.variant_dir(base.name, args.recipe) / quantize.MANIFEST)
     return not quantize.is_current(manifest, quantize.cache_key(base, recipes.load(args.recipe)))
 
@@ -149,7 +148,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return cli.build_parser(argv[0]).parse_args(argv)
 
 
-def quantize_slots(baseline: str, target: str, jobs_wanted: int | None = None) -> int:
+def quantize_slots(base: baselines.Baseline, target: str, jobs_wanted: int | None = None
+                   ) -> int:
     """How many quantize processes run at once: one per core on a CPU host (each calibrates on
     one thread), as many as memory holds at ~3x the float32 weights plus 1.5 GB of runtime
     each; one on a GPU host (one device). ``--quantize-jobs`` (``QUANTIZE_JOBS=``) or
@@ -162,7 +162,7 @@ def quantize_slots(baseline: str, target: str, jobs_wanted: int | None = None) -
         return 1
     from pipeline import checkpoint
 
-    fp32 = 2 * checkpoint.measure(baselines.resolve(baseline).path).weight_bytes
+    fp32 = 2 * checkpoint.measure(base.path).weight_bytes
     fits = int(psutil.virtual_memory().available // (3 * fp32 + 1.5 * 2**30))
     return max(1, min(os.cpu_count() or 1, fits))
 
@@ -207,7 +207,7 @@ def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
                           f"qpipe {shlex.join(argv)}") from None
 
 
-def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str,
+def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselines.Baseline,
                quantize_jobs: int | None = None) -> None:
     """Stage by stage. Quantize stages with work to do run as processes, several at once on a
     CPU host; the rest run in this process, so a campaign with nothing to redo takes seconds.
@@ -215,11 +215,12 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str
     target = serve_target()
     total = len(steps) + 1
     numbered = list(enumerate(steps, start=1))
-    redo = [(n, s) for n, s in numbered if s[1][0] == "quantize" and _needs_quantizing(s[1])]
+    redo = [(n, s) for n, s in numbered
+            if s[1][0] == "quantize" and _needs_quantizing(s[1], base)]
     if redo:
-        slots = min(len(redo), quantize_slots(baseline, target, quantize_jobs))
+        slots = min(len(redo), quantize_slots(base, target, quantize_jobs))
         if slots > 1:
-            tracking.prepare(baselines.resolve(baseline).name)
+            tracking.prepare(base.name)
         first, last = redo[0][0], redo[-1][0]
         print(f"\n[all {first}{f'-{last}' if last != first else ''}/{total}] "
               f"{', '.join(label for _, (label, _) in redo)}: {slots} at a time "
@@ -227,8 +228,9 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, baseline: str
         quantize_stages(sorted((s for _, s in redo), key=_calibration_first), slots)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ServerPool()) if target == "cpu" else None
+        done = {n for n, _ in redo}
         for number, (label, argv) in numbered:
-            if any(number == n for n, _ in redo):
+            if number in done:
                 continue
             print(f"\n[all {number}/{total}] {label} (elapsed "
                   f"{jobs.clock(time.monotonic() - started)})", flush=True)
@@ -426,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
     steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
-    run_stages(steps, started, args.baseline, args.quantize_jobs)
+    run_stages(steps, started, base, args.quantize_jobs)
     total = len(steps) + 1
     print(f"\n[all {total}/{total}] compare (elapsed {jobs.clock(time.monotonic() - started)})")
     compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,

@@ -88,12 +88,14 @@ def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
 ) -> None:
     import os
 
+    from pipeline import baseline as baselines
     from pipeline import campaign
 
+    base = baselines.resolve(str(tiny_model))
     monkeypatch.delenv("QPIPE_QUANTIZE_JOBS", raising=False)
-    cpu = campaign.quantize_slots(str(tiny_model), "cpu")
+    cpu = campaign.quantize_slots(base, "cpu")
     assert cpu == (os.cpu_count() or 1)  # a tiny model never limits by memory
-    assert campaign.quantize_slots(str(tiny_model), "cuda") == 1
-    assert campaign.quantize_slots(str(tiny_model), "cuda", 3) == 3
+    assert campaign.quantize_slots(base, "cuda") == 1
+    assert campaign.quantize_slots(base, "cuda", 3) == 3
     monkeypatch.setenv("QPIPE_QUANTIZE_JOBS", "1")
-    assert campaign.quantize_slots(str(tiny_model), "cpu") == 1
+    assert campaign.quantize_slots(base, "cpu") == 1
