@@ -161,8 +161,3 @@ def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path 
         write_json_atomic(variants[variant_dir], results[variant_dir].as_dict())
     return results
 
-
-def measure(baseline_dir: Path, variant_dir: Path, cache_file: Path,
-            text_path: Path = HELDOUT, seq_len: int = SEQ_LEN) -> Divergence:
-    """``compare`` on model directories, cached in ``cache_file``."""
-    return measure_all(baseline_dir, {variant_dir: cache_file}, text_path, seq_len)[variant_dir]

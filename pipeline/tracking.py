@@ -48,9 +48,7 @@ def experiment_name(baseline_name: str) -> str:
 def prepare(baseline_name: str) -> None:
     """Create the store and the baseline's experiment now: processes that log at once must
     not race to create the schema of a new SQLite store."""
-    mlflow = mlflow_module()
-    if mlflow.get_experiment_by_name(experiment_name(baseline_name)) is None:
-        mlflow.set_experiment(experiment_name(baseline_name))
+    mlflow_module().set_experiment(experiment_name(baseline_name))  # creates it if missing
 
 
 def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:

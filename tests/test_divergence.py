@@ -80,8 +80,9 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     assert same.perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
 
     cache = tmp_path / "div.json"
-    diff = divergence.measure(tiny_model, other, cache, text_path=text_file, seq_len=128)
+    diff = divergence.measure_all(tiny_model, {other: cache}, text_path=text_file,
+                                  seq_len=128)[other]
     assert diff.kl_div_mean > 0.01 and diff.top1_agreement < 1.0
     assert diff.baseline_perplexity == pytest.approx(same.baseline_perplexity, rel=1e-3)
     assert json.loads(cache.read_text()) == diff.as_dict()
-    assert divergence.measure(tiny_model, other, cache) == diff  # read from the cache
+    assert divergence.measure_all(tiny_model, {other: cache})[other] == diff  # from the cache
