@@ -168,11 +168,18 @@ def quantize_slots(base: baselines.Baseline, target: str, jobs_wanted: int | Non
 
 
 _LAYER = re.compile(r"\((\d+)/(\d+)\): (?:Calibrating|Propagating)")
+_PASS = re.compile(r"Inferred `\w+` for `(\w+?)(?:Modifier)?`")
 
 
 def _quantize_progress(job: jobs.Job) -> str:
-    found = _LAYER.findall(job.tail())
-    return f"layer {found[-1][0]}/{found[-1][1]}" if found else ""
+    """E.g. "GPTQ layer 12/31": SmoothQuant + GPTQ walks the layers once per modifier."""
+    log = job.tail(1 << 24)
+    passes = list(_PASS.finditer(log))
+    found = _LAYER.findall(log[passes[-1].end():] if passes else log)
+    if not found:
+        return ""
+    name = f"{passes[-1].group(1)} " if passes else ""
+    return f"{name}layer {found[-1][0]}/{found[-1][1]}"
 
 
 def _quantize_done(job: jobs.Job) -> None:

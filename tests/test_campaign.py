@@ -99,3 +99,19 @@ def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
     assert campaign.quantize_slots(base, "cuda", 3) == 3
     monkeypatch.setenv("QPIPE_QUANTIZE_JOBS", "1")
     assert campaign.quantize_slots(base, "cpu") == 1
+
+
+def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Path) -> None:
+    from pipeline import campaign, jobs
+
+    job = jobs.Job("quantize int8", [], tmp_path / "int8.log")
+    job.log.write_text("Preparing cache\n")
+    assert campaign._quantize_progress(job) == ""
+    smooth = ("Inferred `SequentialPipeline` for `SmoothQuantModifier`\n"
+              + "".join(f"({i}/31): Calibrating: 100%\r({i}/31): Propagating: 50%\n"
+                        for i in range(1, 32)))
+    job.log.write_text(smooth)
+    assert campaign._quantize_progress(job) == "SmoothQuant layer 31/31"
+    job.log.write_text(smooth + "Inferred `SequentialPipeline` for `GPTQModifier`\n"
+                       "(1/31): Calibrating: 100%\n(2/31): Calibrating:  10%\n")
+    assert campaign._quantize_progress(job) == "GPTQ layer 2/31"
