@@ -304,8 +304,7 @@ def child_metrics(row: compare.Row) -> dict[str, float]:
     for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY):
         if key in row.kv:
             m[key] = row.kv[key]
-    for key, value in row.plan.items():
-        m[f"planned.{key}"] = value
+    m.update(row.plan)  # at the campaign's plan target (the parent's plan_* params)
     if row.serving == "ok":
         m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
         if row.peak_memory_bytes:

@@ -181,11 +181,7 @@ def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget, group_size
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
         return
-    row.plan = {"kv_budget_bytes": plan.kv_budget_bytes,
-                "kv_bytes_per_request": plan.kv_bytes_per_request,
-                "max_concurrency_worst_case": plan.worst_case,
-                "max_concurrency_paged": plan.paged,
-                "planned_weight_bytes": plan.weight_bytes}
+    row.plan = plan.metrics()  # the planner's own names (planned_*), as `qpipe plan --json`
 
 
 def _group_size(scheme: str) -> int:

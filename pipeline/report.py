@@ -13,7 +13,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from pipeline import tracking
+from pipeline import capacity, tracking
 from pipeline.compare import BASELINE, EMULATED, Comparison, Row
 from pipeline.fsutil import atomic_dir
 
@@ -65,8 +65,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     cells = []
     for row in comparison.rows:
         plan = row.plan
-        conc = (f"{plan['max_concurrency_paged']:,}/{plan['max_concurrency_worst_case']:,}"
-                if plan else "-")
+        conc = (f"{plan[capacity.MAX_CONCURRENCY_PAGED]:,}/"
+                f"{plan[capacity.MAX_CONCURRENCY_WORST_CASE]:,}" if plan else "-")
         gate_cell = "-" if row.name == BASELINE else row.gate_status
         if row.threshold is not None and row.name != BASELINE:
             gate_cell += f" (>= {row.threshold:g}%)"
@@ -150,8 +150,8 @@ def markdown(comparison: Comparison) -> str:
 
 CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_bytes",
               "weight_ratio", "kv_cache_tokens", "max_concurrency",
-              "served_concurrency_at_context", "planned_concurrency_paged",
-              "planned_concurrency_worst_case", "serving_status", "output_tokens_per_s",
+              "served_concurrency_at_context", capacity.MAX_CONCURRENCY_PAGED,
+              capacity.MAX_CONCURRENCY_WORST_CASE, "serving_status", "output_tokens_per_s",
               "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup", "speedup_min",
               "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               "eval_backend", "gate", "threshold_pct")
@@ -174,8 +174,9 @@ def csv_text(comparison: Comparison) -> str:
             "max_concurrency": row.kv.get(tracking.MAX_CONCURRENCY),
             "served_concurrency_at_context": row.served_concurrency(
                 comparison.plan_target.context),
-            "planned_concurrency_paged": row.plan.get("max_concurrency_paged"),
-            "planned_concurrency_worst_case": row.plan.get("max_concurrency_worst_case"),
+            capacity.MAX_CONCURRENCY_PAGED: row.plan.get(capacity.MAX_CONCURRENCY_PAGED),
+            capacity.MAX_CONCURRENCY_WORST_CASE: row.plan.get(
+                capacity.MAX_CONCURRENCY_WORST_CASE),
             "serving_status": row.serving, "eval_backend": row.eval_backend or "",
             "gate": "" if row.name == BASELINE else row.gate_status,
             "threshold_pct": row.threshold}
@@ -261,8 +262,8 @@ def plot_memory(comparison: Comparison) -> tuple[str, str]:
     left.set_ylabel("weight memory (MB, measured on disk)")
     left.set_title("Weights")
     t = comparison.plan_target
-    paged = [r.plan.get("max_concurrency_paged", 0) for r in comparison.rows]
-    worst = [r.plan.get("max_concurrency_worst_case", 0) for r in comparison.rows]
+    paged = [r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0) for r in comparison.rows]
+    worst = [r.plan.get(capacity.MAX_CONCURRENCY_WORST_CASE, 0) for r in comparison.rows]
     xs = range(len(names))
     right.bar([x - 0.2 for x in xs], paged, width=0.4, label=f"paged ({t.context:,} tokens)")
     right.bar([x + 0.2 for x in xs], worst, width=0.4,

@@ -65,6 +65,11 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
     fp8 = in_sqlite["variant:fp8"]
     assert fp8["params"]["recipe"] == "fp8" and fp8["params"]["baseline"] == tiny_model.name
     assert 0.3 < fp8["metrics"]["weight_ratio"] < 1
+    # the planner's figures at the plan target, under the planner's own names
+    assert fp8["metrics"]["planned_weight_bytes"] < in_sqlite["variant:baseline"]["metrics"][
+        "planned_weight_bytes"]
+    assert fp8["metrics"]["planned_max_concurrency_paged"] >= fp8["metrics"][
+        "planned_max_concurrency_worst_case"] > 0
     assert fp8["tags"]["eval_backend"] == "emulated"
     assert {"quantize:fp8", "quantize:mxfp4"} <= set(in_sqlite)
 

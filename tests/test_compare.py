@@ -31,7 +31,7 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
                           "tasks": ["app_facts"], "backend": backend}}
     row.tasks = {"app_facts": {"backend": backend, "primary_metric": "acc,none", "recovery": {
         "acc,none": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5}}}}
-    row.plan = {"max_concurrency_paged": 40, "max_concurrency_worst_case": 10}
+    row.plan = {"planned_max_concurrency_paged": 40, "planned_max_concurrency_worst_case": 10}
     return row
 
 
