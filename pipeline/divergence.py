@@ -117,18 +117,10 @@ def _summarize(base_lps: list[Any], var_lps: list[Any], wins: list[list[int]]) -
                       baseline_perplexity=math.exp(nll_base / count))
 
 
-def compare(baseline: Any, variant: Any, tokenizer: Any, text: str,
-            seq_len: int = SEQ_LEN) -> Divergence:
-    """KL, top-1 agreement and perplexities of two loaded models on ``text``."""
-    wins = windows(tokenizer(text, add_special_tokens=True).input_ids, seq_len)
-    base_lps = _window_log_probs(baseline, wins)
-    var_lps = base_lps if variant is baseline else _window_log_probs(variant, wins)
-    return _summarize(base_lps, var_lps, wins)
-
-
 def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path = HELDOUT,
                 seq_len: int = SEQ_LEN) -> dict[Path, Divergence]:
-    """``compare`` for each variant directory -> its cache file, cached there. The baseline's
+    """KL, top-1 agreement and perplexities against the baseline of each variant directory ->
+    its cache file, cached there (the baseline itself: its own perplexity). The baseline's
     log-probabilities are computed once and kept for every variant (the forward passes are
     most of the cost: ~3 s per 512-token window of a 135M model in bf16 on 2 cores)."""
     from transformers import AutoTokenizer

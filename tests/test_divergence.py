@@ -61,14 +61,17 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     text = " ".join(divergence.heldout_text().split()[:300])  # a short text keeps it quick
     text_file = tmp_path / "text.txt"
     text_file.write_text(text)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    a = divergence.load_model(tiny_model)
-    same = divergence.compare(a, a, tokenizer, text, seq_len=128)
+    self_cache, cache = tmp_path / "self.json", tmp_path / "div.json"
+    figures = divergence.measure_all(tiny_model, {tiny_model: self_cache, other: cache},
+                                     text_path=text_file, seq_len=128)
+    same, diff = figures[tiny_model], figures[other]
     assert same.kl_div_mean == pytest.approx(0.0, abs=1e-6)
     assert same.top1_agreement == 1.0
     assert same.perplexity == pytest.approx(same.baseline_perplexity)
 
     # perplexity by hand over the same windows
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    a = divergence.load_model(tiny_model)
     ids = tokenizer(text).input_ids
     nll, count = 0.0, 0
     for window in divergence.windows(ids, 128):
@@ -79,9 +82,6 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     assert same.tokens == count
     assert same.perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
 
-    cache = tmp_path / "div.json"
-    diff = divergence.measure_all(tiny_model, {other: cache}, text_path=text_file,
-                                  seq_len=128)[other]
     assert diff.kl_div_mean > 0.01 and diff.top1_agreement < 1.0
     assert diff.baseline_perplexity == pytest.approx(same.baseline_perplexity, rel=1e-3)
     assert json.loads(cache.read_text()) == diff.as_dict()
