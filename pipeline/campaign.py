@@ -131,15 +131,16 @@ def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
     return [*steps, *([("bench", bench)] if campaign.workloads else []), ("eval", evaluate)]
 
 
-def _needs_quantizing(argv: list[str], base: baselines.Baseline) -> bool:
-    """Whether a quantize stage has work to do (a fresh process measures its peak memory)."""
+def _quantize_check(argv: list[str], base: baselines.Baseline) -> tuple[bool, bool]:
+    """(has work to do, calibrates) of a quantize stage. Its work runs in a fresh process (which
+    measures its own peak memory); recipes that calibrate take minutes, data-free ones seconds."""
     from pipeline import quantize, recipes
 
     args = _parse(argv)
-    if args.force:
-        return True
+    recipe = recipes.load(args.recipe)
     manifest = quantize.read_json(paths.variant_dir(base.name, args.recipe) / quantize.MANIFEST)
-    return not quantize.is_current(manifest, quantize.cache_key(base, recipes.load(args.recipe)))
+    work = args.force or not quantize.is_current(manifest, quantize.cache_key(base, recipe))
+    return work, recipe.calibration is not None
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -190,14 +191,6 @@ def _quantize_done(job: jobs.Job) -> None:
     print(f"[all] {job.label}: done in {took}{' - ' + wrote[-1] if wrote else ''}", flush=True)
 
 
-def _calibration_first(step: tuple[str, list[str]]) -> bool:
-    """Recipes that calibrate (minutes) start before data-free ones (seconds): fewer idle
-    slots at the end."""
-    from pipeline import recipes
-
-    return recipes.load(_parse(step[1]).recipe).calibration is None
-
-
 def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
     """Quantize stages with work to do, ``slots`` at a time, each in its own process (its
     peak memory is its own) with its own log under artifacts/logs/."""
@@ -222,8 +215,9 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselin
     target = serve_target()
     total = len(steps) + 1
     numbered = list(enumerate(steps, start=1))
-    redo = [(n, s) for n, s in numbered
-            if s[1][0] == "quantize" and _needs_quantizing(s[1], base)]
+    checks = {n: _quantize_check(argv, base) for n, (_, argv) in numbered
+              if argv[0] == "quantize"}
+    redo = [(n, s) for n, s in numbered if n in checks and checks[n][0]]
     if redo:
         slots = min(len(redo), quantize_slots(base, target, quantize_jobs))
         if slots > 1:
@@ -232,7 +226,8 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselin
         print(f"\n[all {first}{f'-{last}' if last != first else ''}/{total}] "
               f"{', '.join(label for _, (label, _) in redo)}: {slots} at a time "
               f"(elapsed {jobs.clock(time.monotonic() - started)})", flush=True)
-        quantize_stages(sorted((s for _, s in redo), key=_calibration_first), slots)
+        # those that calibrate start first: fewer idle slots at the end
+        quantize_stages([s for n, s in sorted(redo, key=lambda r: not checks[r[0]][1])], slots)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ServerPool()) if target == "cpu" else None
         done = {n for n, _ in redo}
