@@ -29,6 +29,8 @@ MAX_MODEL_LEN ?=
 KV_CACHE_GIB  ?=
 GPU_UTIL      ?=
 MLFLOW_PORT   ?= 5000
+# avx2: vLLM CPU loads its AVX2 kernels whatever this CPU has (what an AVX2-only machine serves)
+VLLM_CPU_ISA  ?=
 # make all / compare: a campaign file in configs/campaigns/ (QUICK=1: the quick one)
 QUICK         ?=
 CAMPAIGN      ?= $(if $(QUICK),quick,default)
@@ -52,6 +54,9 @@ export QPIPE_ARTIFACTS := $(abspath $(ARTIFACTS))
 export PYTHON VENV SERVE_VENV SERVE_TARGET TORCH_CPU_INDEX
 export QPIPE_SERVE_PYTHON := $(abspath $(SERVE_VENV))/bin/python
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+ifneq ($(VLLM_CPU_ISA),)
+export QPIPE_VLLM_CPU_ISA := $(VLLM_CPU_ISA)
+endif
 
 QPIPE := $(VENV)/bin/qpipe
 ALL_RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
@@ -60,12 +65,13 @@ SERVE_STAMP := .stamps/serve
 
 opt = $(if $(2),$(1) $(2))
 
-.PHONY: help all compare setup quantize recipes baseline bench eval gate suites plan ui test lint clean
+.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT QUANTIZE_JOBS CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
+	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
 	@scripts/setup.sh pipeline
@@ -92,6 +98,9 @@ compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign
 	  $(call opt,--context,$(PLAN_CONTEXT))
 
 setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
+
+doctor: $(PIPELINE_STAMP) $(SERVE_STAMP) ## this machine (CPU ISA, GPU, vLLM build) and the formats it serves, and why
+	@$(QPIPE) doctor
 
 baseline: $(PIPELINE_STAMP) ## resolve the baseline (converts the embedded GGUF model once)
 	@$(QPIPE) baseline --baseline $(BASELINE)

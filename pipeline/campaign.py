@@ -33,8 +33,8 @@ import psutil
 import yaml
 
 from pipeline import baseline as baselines
-from pipeline import compare, jobs, paths, report, tracking
-from pipeline.errors import ConfigError, QpipeError
+from pipeline import compare, hardware, jobs, paths, report, tracking
+from pipeline.errors import ConfigError, QpipeError, TrackingError
 from pipeline.serve import ServerPool, serve_target
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
@@ -45,6 +45,12 @@ TAG_PARENT = "mlflow.parentRunId"
 
 class StageFailed(QpipeError):
     """A stage of the campaign exited non-zero; its own message says why."""
+
+
+class CampaignIncomplete(QpipeError):
+    """Every stage ran, but a variant failed for a reason other than a hardware limit."""
+
+    exit_code = 1
 
 
 # --- the campaign file -------------------------------------------------------------------------
@@ -191,33 +197,66 @@ def _quantize_done(job: jobs.Job) -> None:
     print(f"[all] {job.label}: done in {took}{' - ' + wrote[-1] if wrote else ''}", flush=True)
 
 
-def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> None:
+def _last_error(log: str) -> str:
+    """The line of a stage's log that says why it failed (qpipe's own paragraph first)."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("qpipe "):
+            return line
+    errors = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+    return (errors or lines or ["no output"])[-1][:500]
+
+
+def quantize_stages(steps: list[tuple[str, list[str]]], slots: int) -> list[dict[str, str]]:
     """Quantize stages with work to do, ``slots`` at a time, each in its own process (its
-    peak memory is its own) with its own log under artifacts/logs/."""
+    peak memory is its own) with its own log under artifacts/logs/. A recipe that fails does
+    not stop the others: the failures are returned."""
     logs = paths.artifacts_dir() / "logs"
     todo = [jobs.Job(label, [*_qpipe(), *argv], logs / f"{label.replace(' ', '-')}.log",
                      cwd=paths.PROJECT_ROOT) for label, argv in steps]
-    try:
-        jobs.run_all(todo, slots, on_done=_quantize_done, progress=_quantize_progress)
-    except jobs.JobFailed as err:
-        print(err.job.tail(3000), file=sys.stderr)
+    failed = jobs.run_all(todo, slots, on_done=_quantize_done, progress=_quantize_progress,
+                          keep_going=True)
+    out = []
+    for err in failed:
         argv = dict(steps)[err.job.label]
-        raise StageFailed(f"stage '{err.job.label}' failed (exit {err.code}); the end of its "
-                          f"log is above, all of it in {err.job.log}. Re-run it alone: "
-                          f"qpipe {shlex.join(argv)}") from None
+        reason = _last_error(err.job.tail(65536))
+        print(f"[all] {err.job.label}: FAILED (exit {err.code}): {reason}. Log: {err.job.log}. "
+              f"Re-run it alone: qpipe {shlex.join(argv)}", flush=True)
+        out.append({"variant": argv[argv.index("--recipe") + 1], "stage": "quantize",
+                    "reason": reason, "log": str(err.job.log)})
+    return out
+
+
+def _without(argv: list[str], recipes: set[str]) -> list[str]:
+    """A stage's argv without the ``--recipe X`` pairs of ``recipes``."""
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--recipe" and i + 1 < len(argv) and argv[i + 1] in recipes:
+            skip = True
+            continue
+        out.append(arg)
+    return out
 
 
 def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselines.Baseline,
-               quantize_jobs: int | None = None) -> None:
-    """Stage by stage. Quantize stages with work to do run as processes, several at once on a
-    CPU host; the rest run in this process, so a campaign with nothing to redo takes seconds.
-    On a CPU host bench leaves its servers up for eval (one ~40 s start per model, not two)."""
+               quantize_jobs: int | None = None) -> list[dict[str, str]]:
+    """Stage by stage; returns what failed. Quantize stages with work to do run as processes,
+    several at once on a CPU host; the rest run in this process, so a campaign with nothing to
+    redo takes seconds. On a CPU host bench leaves its servers up for eval (one ~40 s start
+    per model, not two). One variant never sinks the campaign: a recipe that fails to quantize
+    is left out of bench and eval, bench and eval record a failing variant and go on, and a
+    stage that fails as a whole is recorded; the comparison shows every failure."""
     target = serve_target()
     total = len(steps) + 1
     numbered = list(enumerate(steps, start=1))
     checks = {n: _quantize_check(argv, base) for n, (_, argv) in numbered
               if argv[0] == "quantize"}
     redo = [(n, s) for n, s in numbered if n in checks and checks[n][0]]
+    failures: list[dict[str, str]] = []
     if redo:
         slots = min(len(redo), quantize_slots(base, target, quantize_jobs))
         if slots > 1:
@@ -227,12 +266,19 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselin
               f"{', '.join(label for _, (label, _) in redo)}: {slots} at a time "
               f"(elapsed {jobs.clock(time.monotonic() - started)})", flush=True)
         # those that calibrate start first: fewer idle slots at the end
-        quantize_stages([s for n, s in sorted(redo, key=lambda r: not checks[r[0]][1])], slots)
+        failures += quantize_stages(
+            [s for n, s in sorted(redo, key=lambda r: not checks[r[0]][1])], slots)
+    lost = {f["variant"] for f in failures}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ServerPool()) if target == "cpu" else None
         done = {n for n, _ in redo}
         for number, (label, argv) in numbered:
             if number in done:
+                continue
+            argv = _without(argv, lost)
+            if argv[0] != "quantize" and lost and "--recipe" not in argv:
+                print(f"\n[all {number}/{total}] {label}: skipped, no recipe left to measure",
+                      flush=True)
                 continue
             print(f"\n[all {number}/{total}] {label} (elapsed "
                   f"{jobs.clock(time.monotonic() - started)})", flush=True)
@@ -241,8 +287,14 @@ def run_stages(steps: list[tuple[str, list[str]]], started: float, base: baselin
             try:
                 args._run(args)
             except QpipeError as err:
-                raise StageFailed(f"stage '{label}' failed: {err}\nRe-run it alone: "
-                                  f"qpipe {shlex.join(argv)}") from err
+                if isinstance(err, (ConfigError, TrackingError)):
+                    raise StageFailed(f"stage '{label}' failed: {err}\nRe-run it alone: "
+                                      f"qpipe {shlex.join(argv)}") from err
+                print(f"[all] stage '{label}' FAILED, going on to the comparison: {err}",
+                      flush=True)
+                failures.append({"variant": "all", "stage": label, "reason": str(err),
+                                 "log": ""})
+    return failures
 
 
 # --- the comparison and its MLflow runs --------------------------------------------------------
@@ -274,22 +326,11 @@ def _versions() -> dict[str, str]:
 def run_meta(comparison: compare.Comparison, campaign: Campaign | None) -> dict[str, str]:
     """Tags of the parent run, also printed at the foot of the report."""
     meta = {"baseline": comparison.baseline, "git_commit": _git_commit(),
-            "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-                        f"{_accelerator()}",
+            "hardware": hardware.profile().describe(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "campaign": campaign.name if campaign else "compare"}
     meta.update({f"version.{k}": v for k, v in _versions().items()})
     return meta
-
-
-def _accelerator() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        names = sorted(set(out.stdout.split("\n")) - {""})
-        return ", ".join(names) if out.returncode == 0 and names else "no GPU"
-    except OSError:
-        return "no GPU"
 
 
 def child_metrics(row: compare.Row) -> dict[str, float]:
@@ -326,6 +367,8 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
+            "failures": "; ".join(f"{f['variant']} ({f['stage']})"
+                                  for f in comparison.failures)[:5000] or "none",
             "mlflow.note.content": report.recommendation_line(comparison)}
     name = f"campaign:{meta['campaign']}"  # the start time is the run's own
     with mlflow.start_run(run_name=name, tags=tags) as parent:
@@ -359,8 +402,9 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
 
 def compare_and_log(base: baselines.Baseline, recipes: list[str] | None,
                     target: compare.PlanTarget, campaign: Campaign | None = None,
-                    track: bool = True) -> tuple[compare.Comparison, list[Path]]:
-    comparison = compare.collect(base, recipes, target)
+                    track: bool = True, failures: list[dict[str, str]] | None = None
+                    ) -> tuple[compare.Comparison, list[Path]]:
+    comparison = compare.collect(base, recipes, target, failures)
     meta = run_meta(comparison, campaign)
     out = paths.artifacts_dir() / "reports" / base.name
     files = report.write(comparison, out, meta)
@@ -396,6 +440,8 @@ def _target(args: argparse.Namespace, campaign: Campaign) -> compare.PlanTarget:
 
 def run_compare(args: argparse.Namespace) -> int:
     campaign = load(args.campaign)
+    if not args.no_track:
+        tracking.check_store()
     base = baselines.resolve(args.baseline)
     compare_and_log(base, args.recipe, _target(args, campaign), None, not args.no_track)
     return 0
@@ -425,14 +471,27 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     campaign = replace(campaign, **overrides, plan=_target(args, campaign))
+    if not args.no_track:
+        tracking.check_store()  # seconds now, not minutes after the work
     base = baselines.resolve(args.baseline)
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
     steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
-    run_stages(steps, started, base, args.quantize_jobs)
+    failures = run_stages(steps, started, base, args.quantize_jobs)
     total = len(steps) + 1
     print(f"\n[all {total}/{total}] compare (elapsed {jobs.clock(time.monotonic() - started)})")
-    compare_and_log(base, list(campaign.recipes) or None, campaign.plan, campaign,
-                    not args.no_track)
-    print(f"[all] done in {jobs.clock(time.monotonic() - started)}")
+    lost = {f["variant"] for f in failures}
+    recipes = [r for r in list(campaign.recipes) or paths.yaml_names(paths.RECIPES_DIR)
+               if r not in lost]
+    comparison, _ = compare_and_log(base, recipes, campaign.plan, campaign, not args.no_track,
+                                    failures)
+    took = jobs.clock(time.monotonic() - started)
+    if comparison.failures:
+        raise CampaignIncomplete(
+            f"finished in {took}, but {len(comparison.failures)} failure(s) not due to a "
+            "hardware limit: " + "; ".join(
+                f"{f['variant']} in {f['stage']}: {f['reason'][:200]}"
+                + (f" (log {f['log']})" if f.get("log") else "") for f in comparison.failures)
+            + ". The other variants were measured, compared and logged.")
+    print(f"[all] done in {took}")
     return 0

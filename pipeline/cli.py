@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
                 "MLflow parent run", "compare"),
     "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
     "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
+    "doctor": ("pipeline.doctor", "this machine's CPU/GPU and vLLM build, and the formats it "
+               "serves, and why"),
 }
 
 

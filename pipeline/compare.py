@@ -70,8 +70,9 @@ class Row:
     weight_ratio: float  # weight bytes / the baseline's
     quantize_seconds: float | None = None
     plan: dict[str, Any] = field(default_factory=dict)
-    serving: str = "not measured"  # ok | unsupported | not measured
+    serving: str = "not measured"  # ok | unsupported | failed | not measured
     serving_reason: str = ""
+    serving_log: str = ""
     headline: dict[str, float] = field(default_factory=dict)  # bench stats at the headline
     sweep: dict[int, dict[str, float]] = field(default_factory=dict)  # load point -> stats
     kv: dict[str, float] = field(default_factory=dict)
@@ -115,6 +116,9 @@ class Comparison:
     recommendation: str | None
     reason: str
     sources: dict[str, str]
+    # what failed for a reason other than a hardware limit: {variant, stage, reason, log}
+    failures: list[dict[str, str]] = field(default_factory=list)
+    hardware: str = ""  # where the bench figures were measured (the machine's profile)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -147,6 +151,7 @@ def _apply_bench(row: Row, summary: dict[str, Any], entry: dict[str, Any]) -> tu
     first = workloads[0]
     head = int(summary.get("headline", {}).get(first, 0)) or None
     row.serving, row.serving_reason = entry["status"], entry.get("reason", "")
+    row.serving_log = entry.get("log", "")
     row.kv = {k: float(v) for k, v in entry.get("kv", {}).items()}
     row.peak_memory_bytes = int(entry.get("peak_memory_bytes") or 0)
     data = entry.get("workloads", {}).get(first, {})
@@ -190,8 +195,10 @@ def _group_size(scheme: str) -> int:
 
 
 def collect(base: baselines.Baseline, recipes: list[str] | None = None,
-            target: PlanTarget | None = None) -> Comparison:
-    """One row for the baseline and each variant on disk (or ``recipes``)."""
+            target: PlanTarget | None = None,
+            failures: list[dict[str, str]] | None = None) -> Comparison:
+    """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
+    campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows."""
 
     target = target or PlanTarget()
     base_bytes = checkpoint.measure(base.path).weight_bytes
@@ -207,7 +214,8 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
 
     config = json.loads((base.path / "config.json").read_text())
     summaries = _bench_entries(base.name)
-    workload, load_point, sources = "", None, {}
+    workload, load_point, sources, measured_on = "", None, {}, ""
+    failed = list(failures or [])
     for row in rows:
         _apply_plan(row, config, target, _group_size(row.scheme))
         found = _bench_for(row, identities[row.name], summaries)
@@ -215,18 +223,29 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
             path, summary, entry = found
             workload, load_point = _apply_bench(row, summary, entry)
             sources[f"bench:{row.name}"] = str(path)
+            measured_on = summary.get("hardware", {}).get("summary", measured_on)
+            if row.serving == "failed":
+                failed.append({"variant": row.name, "stage": "bench",
+                               "reason": row.serving_reason, "log": row.serving_log})
         if row.name == BASELINE:
             continue
-        summary_path = evaluate.cache_root(base.name) / row.name / evaluate.SUMMARY_FILE
+        eval_dir = evaluate.cache_root(base.name) / row.name
+        summary_path = eval_dir / evaluate.SUMMARY_FILE
         evaluated = read_json(summary_path)
-        if evaluated.get("identity") == identities[row.name]:
+        eval_failed = read_json(eval_dir / evaluate.FAILURE_FILE)
+        if eval_failed.get("identity") == identities[row.name]:
+            row.gate_reason = f"its last evaluation failed: {eval_failed.get('reason', '?')}"
+            failed.append({"variant": row.name, "stage": "eval",
+                           "reason": eval_failed.get("reason", "?"), "log": ""})
+        elif evaluated.get("identity") == identities[row.name]:
             _apply_eval(row, evaluated, base.name)
             sources[f"eval:{row.name}"] = str(summary_path)
         elif evaluated:
             row.notes.append("eval: the evaluation on disk is of an older checkpoint; run "
                              f"`make eval RECIPE={row.name}`")
     best, reason = recommend(rows)
-    return Comparison(base.name, rows, workload, load_point, target, best, reason, sources)
+    return Comparison(base.name, rows, workload, load_point, target, best, reason, sources,
+                      failed, measured_on)
 
 
 # --- the verdict -------------------------------------------------------------------------------
@@ -239,6 +258,9 @@ def recommend(rows: list[Row]) -> tuple[str | None, str]:
         if row.gate_status != gate.PASS:
             detail = f": {row.gate_reason}" if row.gate_reason else ""
             why_not.append(f"{row.name}: gate {row.gate_status}{detail}")
+        elif row.serving == "failed":
+            why_not.append(f"{row.name}: clears its gate but failed while served "
+                           f"({row.serving_reason})")
         elif row.serving != "ok" or row.speedup is None:
             why = row.serving_reason or "its speed was not measured (make bench)"
             why_not.append(f"{row.name}: clears its gate but was not served here ({why})")

@@ -31,6 +31,10 @@ class PlanError(QpipeError):
     """The capacity planner got a config or settings it cannot plan for."""
 
 
+class TrackingError(QpipeError):
+    """The MLflow tracking store cannot be reached or refused a write."""
+
+
 class Interrupted(QpipeError):
     """The run was interrupted (Ctrl-C or SIGTERM); partial output was removed."""
 

@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import baseline as baselines
-from pipeline import checkpoint, divergence, paths, recovery, suites, tracking
+from pipeline import checkpoint, divergence, hardware, paths, recovery, suites, tracking
 from pipeline.errors import ConfigError, QpipeError
 from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
 
@@ -41,6 +42,7 @@ SERVED = "served"  # local-completions against vLLM: the serving numerics
 EMULATED = "emulated"  # lm-eval hf on de-compressed weights
 RESULT_FILE = "qpipe_task_result.json"
 SUMMARY_FILE = "recovery.json"
+FAILURE_FILE = "eval_failure.json"  # beside recovery.json while a variant's last scoring failed
 # lm-eval's defaults (its CLI's --seed 0,1234,1234,1234): random, numpy, torch, few-shot.
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234,
          "fewshot_random_seed": 1234}
@@ -128,6 +130,8 @@ def task_key(model: Model, task: suites.Task, backend: str, settings: Settings) 
                "backend": backend, "settings": settings.for_task(task),
                "batch_size": settings.batch_size,
                "engine": _engine_settings(settings, model) if backend == SERVED else None,
+               # served numerics follow the kernels this hardware runs
+               "hardware": hardware.profile().key() if backend == SERVED else None,
                "hf_dtype": divergence.HF_DTYPE if backend == EMULATED else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -374,7 +378,7 @@ def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settin
     except UnsupportedFormat as err:
         if settings.backend == "served":
             raise
-        reason = str(err).split(": ", 1)[-1].split(". Full log")[0]
+        reason = err.reason
         remember_refusal(model.identity, reason)
         print(f"[eval] {model.label}: vLLM cannot serve it here ({reason}); scoring with "
               "lm-eval's hf backend on de-compressed weights (emulated)")
@@ -496,8 +500,19 @@ def write_summary(base_name: str, model: Model, backend: str, tasks: list[suites
     if div is not None:
         summary["divergence"] = {**div.as_dict(), "backend": divergence.BACKEND}
     summary["identity"] = model.identity
+    summary["hardware"] = hardware.profile().as_dict()
     write_json_atomic(target, summary)
+    (target.parent / FAILURE_FILE).unlink(missing_ok=True)
     return target
+
+
+def write_failure(base_name: str, model: Model, err: QpipeError) -> dict[str, Any]:
+    """Record that scoring ``model`` failed; compare and gate show it, the rest go on."""
+    failure = {"identity": model.identity, "reason": str(err), "stage": STAGE,
+               "hardware": hardware.profile().describe(),
+               "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_json_atomic(cache_root(base_name) / model.label / FAILURE_FILE, failure)
+    return failure
 
 
 def _scores(tasks: list[suites.Task], results: dict[str, TaskResult]) -> dict[str, float]:
@@ -560,7 +575,8 @@ def log_mlflow(base: baselines.Baseline, model: Model, backend: str, tasks: list
         "suites": ",".join(sorted({t.suite for t in tasks})),
         "tasks": ",".join(t.name for t in tasks),
         "lm_eval": metadata.version("lm_eval"), "seeds": json.dumps(SEEDS),
-        "batch_size": settings.batch_size}
+        "batch_size": settings.batch_size,
+        tracking.PARAM_HARDWARE: hardware.profile().describe()[:500]}
     if backend == SERVED:
         params["num_concurrent"] = settings.num_concurrent
     for task in tasks:
@@ -568,7 +584,8 @@ def log_mlflow(base: baselines.Baseline, model: Model, backend: str, tasks: list
         params[f"limit.{task.name}"] = s.get("limit") if s.get("limit") is not None else "all"
         params[f"num_fewshot.{task.name}"] = s.get("num_fewshot_used")
     tags = {tracking.TAG_EVAL_BACKEND: backend, tracking.TAG_CACHE_KEY: run_key,
-            "qpipe.model_identity": model.identity}
+            "qpipe.model_identity": model.identity,
+            tracking.TAG_HARDWARE_KEY: hardware.profile().key()}
     if div is not None:
         tags[tracking.TAG_DIVERGENCE_BACKEND] = divergence.BACKEND
     if not_meaningful:
@@ -646,17 +663,24 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
 
     A ``pool`` (a campaign's) lends servers its bench stage left running.
     """
+    from pipeline.serve import ServeError
+
     suites.prepare_for(tasks)
     base_model = baseline_model(base)
     scored: dict[str, tuple[str, dict[str, TaskResult]]] = {}
+    report: dict[str, dict[str, Any]] = {}
     for number, model in enumerate(variants, start=1):
         print(f"[eval] variant {number}/{len(variants)}: {model.label} ({len(tasks)} task(s))")
-        scored[model.label] = score_variant(base.name, model, tasks, settings, force, pool)
+        try:
+            scored[model.label] = score_variant(base.name, model, tasks, settings, force, pool)
+        except (EvalError, ServeError) as err:  # one variant never sinks the others
+            print(f"[eval] {model.label}: FAILED, the other variants go on: {err}", flush=True)
+            report[model.label] = {"failed": write_failure(base.name, model, err)}
+    variants = [m for m in variants if m.label in scored]
     backends = sorted({b for b, _ in scored.values()}) or [
         EMULATED if settings.backend == "hf" else SERVED]
     base_results = {b: _score_baseline(base, base_model, tasks, b, settings, force, pool)
                     for b in backends}
-    report: dict[str, dict[str, Any]] = {}
     divs = _divergences(base, variants) if with_divergence else {}
     base_div = divs.get(base.path)
     for backend, results in base_results.items():
@@ -711,6 +735,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    tracking.check_store()  # seconds, before the work: not minutes after it
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: give a positive number of items (LIMIT=50), or "
                           "leave it empty for each task's default.")
@@ -724,6 +749,11 @@ def run(args: argparse.Namespace) -> int:
     if not variants:
         print(f"[eval] no variant of {base.name} on disk: scoring the baseline only "
               "(make quantize makes the variants)")
-    evaluate(base, variants, tasks, settings, force=args.force,
-             with_divergence=not args.no_divergence, pool=args.servers)
+    report = evaluate(base, variants, tasks, settings, force=args.force,
+                      with_divergence=not args.no_divergence, pool=args.servers)
+    failed = {label: r["failed"] for label, r in report.items() if "failed" in r}
+    if failed:
+        print("[eval] failed: " + "; ".join(f"{label}: {f['reason']}"
+                                            for label, f in failed.items()), file=sys.stderr)
+        return 1
     return 0

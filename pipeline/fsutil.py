@@ -27,6 +27,25 @@ def output_error(location: Path, err: OSError) -> OutputError:
     )
 
 
+def check_free_space(where: Path, needed: int, what: str) -> None:
+    """Stop before writing ``what`` if the file system holding ``where`` lacks ``needed``."""
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise OutputError(
+            f"{probe} has {free / 1e9:.2f} GB free, and {what} needs up to {needed / 1e9:.2f} GB "
+            "while it is written. Free some space or set ARTIFACTS= to a location with more."
+        )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An OSError with ENOSPC, or a library's own error that says the same (safetensors)."""
+    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        "No space left on device" in str(err) or "os error 28" in str(err))
+
+
 @contextlib.contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
     """Yield a temp dir beside ``target``; rename it to ``target`` only if the block succeeds.
@@ -53,6 +72,10 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
             raise output_error(target.parent, err) from None
+        raise
+    except Exception as err:  # e.g. safetensors' own error for a full disk
+        if is_disk_full(err):
+            raise output_error(target.parent, OSError(errno.ENOSPC, "no space left")) from None
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

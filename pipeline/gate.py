@@ -152,6 +152,13 @@ def gate(baseline_name: str, recipe_names: list[str] | None = None,
                               "run `make eval` (or `make eval RECIPE=int4`) first.")
     verdicts = []
     for name in recipe_names:
+        failure = read_json(root / name / evaluate.FAILURE_FILE)
+        if failure:  # the last scoring of this variant failed: nothing current to judge
+            limit = threshold_of(name, paths.variant_dir(baseline_name, name), threshold)
+            verdicts.append(Verdict(name, limit, [], [f"its last evaluation failed: "
+                                                      f"{failure.get('reason', '?')}"], [],
+                                    level=level))
+            continue
         summary = read_json(root / name / evaluate.SUMMARY_FILE)
         if not summary.get("tasks"):
             raise ConfigError(f"variant {name!r} of {baseline_name} has not been evaluated "

@@ -67,10 +67,12 @@ def _state(job: Job, now: float, progress: Callable[[Job], str]) -> str:
 
 def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda job: None,
             progress: Callable[[Job], str] = lambda job: "", heartbeat_s: float = 30,
-            poll_s: float = 0.5) -> None:
-    """Run ``jobs`` with at most ``slots`` at once, in order; raises JobFailed on the first
-    non-zero exit (after stopping the others)."""
+            poll_s: float = 0.5, keep_going: bool = False) -> list[JobFailed]:
+    """Run ``jobs`` with at most ``slots`` at once, in order. Raises JobFailed on the first
+    non-zero exit (after stopping the others); with ``keep_going`` the others run on and the
+    failures are returned instead."""
     waiting, running = list(jobs), []
+    failures: list[JobFailed] = []
     last_beat = time.monotonic()
     try:
         while waiting or running:
@@ -87,7 +89,10 @@ def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda
                     continue
                 running.remove(job)
                 if code != 0:
-                    raise JobFailed(job, code)
+                    if not keep_going:
+                        raise JobFailed(job, code)
+                    failures.append(JobFailed(job, code))
+                    continue
                 on_done(job)
             if running and time.monotonic() - last_beat >= heartbeat_s:
                 last_beat = time.monotonic()
@@ -98,3 +103,4 @@ def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda
     finally:
         for job in running:
             job.stop()
+    return failures

@@ -22,8 +22,14 @@ from typing import Any
 
 from pipeline import baseline as baselines
 from pipeline import checkpoint, paths, recipes, tracking
-from pipeline.errors import OutputError, QuantizeError, RecipeError
-from pipeline.fsutil import atomic_dir, read_json, remove_stale_temp_dirs, write_json_atomic
+from pipeline.errors import QuantizeError, RecipeError
+from pipeline.fsutil import (
+    atomic_dir,
+    check_free_space,
+    read_json,
+    remove_stale_temp_dirs,
+    write_json_atomic,
+)
 
 MANIFEST = checkpoint.MANIFEST
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
@@ -100,19 +106,6 @@ def check_group_sizes(model: Any, llm_recipe: Any, recipe_path: Path) -> None:
                 )
 
 
-def _free_space_check(where: Path, needed: int) -> None:
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed:
-        raise OutputError(
-            f"{probe} has {free / 1e9:.2f} GB free, and this variant needs up to "
-            f"{needed / 1e9:.2f} GB while it is written. Free some space or set ARTIFACTS= "
-            "to a location with more."
-        )
-
-
 def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False) -> dict:
     """Produce (or reuse) the variant of ``base`` made by ``recipe``; returns its manifest."""
     target = paths.variant_dir(base.name, recipe.name)
@@ -125,7 +118,7 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
         return manifest
     remove_stale_temp_dirs(target.parent)
     base_size = checkpoint.measure(base.path)
-    _free_space_check(target.parent, int(base_size.checkpoint_bytes * 1.2))
+    check_free_space(target.parent, int(base_size.checkpoint_bytes * 1.2), "this variant")
 
     print(f"[quantize] {base.name} with recipe {recipe.name} ({recipe.description})")
     started = time.monotonic()
@@ -265,6 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    tracking.check_store()  # seconds, before the work: not minutes after it
     data = args.calib_data
     if data and Path(data).exists():
         data = str(Path(data).resolve())

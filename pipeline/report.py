@@ -49,6 +49,8 @@ def _suites(comparison: Comparison) -> list[str]:
 def _speed_cell(row: Row) -> str:
     if row.serving == "unsupported":
         return "unsupported here"
+    if row.serving == "failed":
+        return "FAILED (see notes)"
     if row.name == BASELINE:
         return "1.00x (reference)" if row.headline else "-"
     return _spread(row.headline, tracking.SPEEDUP, "{:.2f}").replace(" [", "x [", 1)
@@ -70,7 +72,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         gate_cell = "-" if row.name == BASELINE else row.gate_status
         if row.threshold is not None and row.name != BASELINE:
             gate_cell += f" (>= {row.threshold:g}%)"
-        served = {"ok": "served", "unsupported": "unsupported"}.get(row.serving, "not benched")
+        served = {"ok": "served", "unsupported": "unsupported", "failed": "failed"}.get(
+            row.serving, "not benched")
         origin = served if row.name == BASELINE else f"speed {served}, accuracy {row.figures_from}"
         cells.append([
             row.name, f"{row.precision} ({row.scheme})",
@@ -125,6 +128,12 @@ def _plan_line(comparison: Comparison) -> str:
 
 def _notes(comparison: Comparison) -> list[str]:
     out = []
+    if comparison.hardware:
+        out.append(f"speed measured on: {comparison.hardware}")
+    for failure in comparison.failures:
+        log = f" (log {failure['log']})" if failure.get("log") else ""
+        out.append(f"FAILED: {failure['variant']} in {failure['stage']}: {failure['reason']}{log}"
+                   "; the other variants were measured without it, and it cannot be recommended")
     for row in comparison.rows:
         if row.serving == "unsupported":
             out.append(f"{row.name}: vLLM cannot serve {row.format} on this hardware: "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,19 +26,29 @@ from typing import Any
 
 import psutil
 
-from pipeline import paths
+from pipeline import hardware, paths
 from pipeline.errors import QpipeError
 
-# Lines of a failed start-up log that say why the engine could not load a format.
+# Error lines of a failed engine that say it cannot run a format on this hardware.
 UNSUPPORTED_PATTERNS = (
     r"Failed to find a kernel",
+    r"'_OpNamespace' '_C\w*' object has no attribute",  # a kernel library without the op
     r"[Nn]o (?:compressed-tensors )?compatible (?:scheme|kernel)",
     r"is not supported",
     r"not (?:currently )?supported",
     r"[Nn]ot ?[Ii]mplemented",
-    r"requires? (?:AMX|CUDA|a GPU|compute capability)",
+    r"requires? (?:x86 with )?(?:AVX|AMX|CUDA|a GPU|compute capability)",
     r"Marlin .* not available",
 )
+# Fatal errors about resources, never a format: an out-of-memory crash is not "unsupported",
+# whatever the log said before it.
+RESOURCE_PATTERNS = (r"out of memory", r"OutOfMemory", r"Cannot allocate memory",
+                     r"No space left")
+_ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception)\b:|\bERROR\b")
+# The warm-up request: a short prefill and a few decode steps. A prompt shorter than one KV
+# block leaves nothing in the prefix cache for the measurements to hit.
+WARMUP_PROMPT = "The capital of France is"
+WARMUP_TOKENS = 4
 
 
 class ServeError(QpipeError):
@@ -86,12 +98,14 @@ def vllm_version() -> str:
 
 
 def _refusal_file(identity: str) -> Path:
-    return paths.artifacts_dir() / "cache" / "unsupported" / f"{identity}-{serve_target()}.json"
+    key = hardware.profile().key()
+    return paths.artifacts_dir() / "cache" / "unsupported" / f"{identity}-{key}.json"
 
 
 def known_refusal(identity: str) -> str | None:
-    """The reason this vLLM already gave, on this kind of hardware, for not serving the
-    checkpoint ``identity``; None if it never refused it. Spares a minute-long failed start."""
+    """The reason this vLLM already gave, on this hardware (its profile key: CPU ISA class or
+    GPU model and compute capability), for not serving the checkpoint ``identity``; None if
+    it never refused it. Spares a minute-long failed start."""
     from pipeline.fsutil import read_json
 
     known = read_json(_refusal_file(identity))
@@ -99,9 +113,14 @@ def known_refusal(identity: str) -> str | None:
 
 
 def remember_refusal(identity: str, reason: str) -> None:
+    """Remembered the moment it happens: a run that dies later still keeps what it learnt."""
+    from datetime import datetime, timezone
+
     from pipeline.fsutil import write_json_atomic
 
-    write_json_atomic(_refusal_file(identity), {"vllm": vllm_version(), "reason": reason})
+    write_json_atomic(_refusal_file(identity), {
+        "vllm": vllm_version(), "reason": reason, "hardware": hardware.profile().describe(),
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds")})
 
 
 def serve_target() -> str:
@@ -130,11 +149,20 @@ def _die_with_parent() -> None:
 
 
 def failure_reason(log_text: str) -> tuple[str, bool]:
-    """The most telling error line of a failed start, and whether it means 'unsupported'."""
+    """The most telling error line of a failed engine, and whether it means 'unsupported'.
+
+    Only error lines count (a warning that something "is not supported" is not why an engine
+    died), and a resource failure (out of memory, disk full) wins over any format complaint.
+    """
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    fatal = [ln for ln in lines
+             if _ERROR_LINE.search(ln) and not ln.startswith(("File ", "^", "Traceback"))]
+    for line in reversed(fatal):
+        if any(re.search(p, line) for p in RESOURCE_PATTERNS):
+            return _strip_log_prefix(line), False
     for pattern in UNSUPPORTED_PATTERNS:
-        for line in reversed(lines):
-            if re.search(pattern, line) and not line.startswith(("File ", "^")):
+        for line in fatal:  # the first: the root cause, before the errors it set off
+            if re.search(pattern, line):
                 return _strip_log_prefix(line), True
     errors = [i for i, ln in enumerate(lines) if re.search(r"(Error|Exception)\b.*:", ln)]
     if not errors:
@@ -155,13 +183,17 @@ def _strip_log_prefix(line: str) -> str:
 class VllmServer:
     """``with VllmServer(model_dir, name, settings, log_path) as server: server.base_url``."""
 
+    death_grace_s = 20.0  # after a failed warm-up: time for the engine to exit and log why
+
     def __init__(self, model_dir: Path, served_name: str, settings: EngineSettings,
-                 log_path: Path, startup_timeout: float = 600, target: str | None = None) -> None:
+                 log_path: Path, startup_timeout: float = 600, target: str | None = None,
+                 warmup_timeout: float = 300) -> None:
         self.model_dir = model_dir
         self.served_name = served_name
         self.settings = settings
         self.log_path = log_path
         self.startup_timeout = startup_timeout
+        self.warmup_timeout = warmup_timeout
         self.target = target or serve_target()
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -197,6 +229,7 @@ class VllmServer:
         if self.target == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.kv_cache_space_gib))
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # ~20% faster on 2 cores
+            env.update(hardware.serving_environment(hardware.forced_isa()))
         return env
 
     def __enter__(self) -> VllmServer:
@@ -207,7 +240,7 @@ class VllmServer:
         self.stop()
 
     def start(self) -> None:
-        """Launch the server and wait until it answers ``/health`` (stopped on any failure)."""
+        """Launch the server and wait until it answers a request (stopped on any failure)."""
         self.launch()
         self.wait_ready()
 
@@ -228,26 +261,69 @@ class VllmServer:
         self._sampler.start()
 
     def wait_ready(self) -> None:
+        """Up means answered: ``/health``, then a warm-up request (prefill and a few decode
+        steps). A format that loads but cannot run (a kernel missing on this CPU or GPU) fails
+        here as :class:`UnsupportedFormat`, with the engine's reason and the hardware fact."""
         try:
             self._wait_healthy()
+            self._warm_up()
         except BaseException:
             self.stop()
             raise
+
+    def _fail(self, what: str) -> ServeError:
+        """The error for an engine that failed, classified by its log's fatal error."""
+        assert self.proc is not None
+        reason, unsupported = failure_reason(self.log_text())
+        if unsupported:
+            reason = f"{reason} ({hardware.explain(reason, hardware.profile())})"
+            return UnsupportedFormat(f"vLLM cannot serve {self.served_name} ({self.model_dir}) "
+                                     f"on this hardware: {reason}. Full log: {self.log_path}",
+                                     reason=reason)
+        code = self.proc.poll()
+        state = f"exit {code}" if code is not None else "still running"
+        return ServeError(f"vLLM {what} {self.served_name} ({self.model_dir}; {state}): "
+                          f"{reason}. Full log: {self.log_path}", reason=reason)
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                reason, unsupported = failure_reason(self.log_text())
-                kind = UnsupportedFormat if unsupported else ServeError
-                raise kind(f"vLLM could not serve {self.model_dir} (exit {self.proc.returncode}): "
-                           f"{reason}. Full log: {self.log_path}", reason=reason)
+                raise self._fail("could not serve")
             if self.healthy():
                 return
             time.sleep(1)
         raise ServeError(f"vLLM did not become healthy within {self.startup_timeout:.0f} s "
                          f"serving {self.model_dir}; it was stopped. Log: {self.log_path}")
+
+    def _warm_up(self) -> None:
+        assert self.proc is not None
+        body = json.dumps({"model": self.served_name, "prompt": WARMUP_PROMPT,
+                           "max_tokens": WARMUP_TOKENS, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{self.base_url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.warmup_timeout) as response:
+                answer = json.loads(response.read())
+            if answer.get("usage", {}).get("completion_tokens", 0) >= 1:
+                return
+            problem = f"the warm-up request got no tokens back ({str(answer)[:200]})"
+        except (OSError, ValueError) as err:  # HTTPError and URLError are OSErrors
+            detail = f"HTTP {err.code}: {err.read().decode(errors='replace')[:300]}" \
+                if isinstance(err, urllib.error.HTTPError) else str(err)
+            problem = f"the warm-up request failed ({detail})"
+        # An engine that cannot run a kernel dies on its first request: give it time to go
+        # down and log why, then classify by that.
+        deadline = time.monotonic() + self.death_grace_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        error = self._fail("answered /health but failed its warm-up request for")
+        if not isinstance(error, UnsupportedFormat) and self.proc.poll() is None:
+            error = ServeError(f"vLLM answered /health but {problem} serving {self.served_name};"
+                               f" it was stopped. Log: {self.log_path}", reason=problem)
+        raise error
 
     def healthy(self) -> bool:
         try:
@@ -261,8 +337,10 @@ class VllmServer:
         if self.proc is None or self.proc.poll() is not None:
             reason, _ = failure_reason(self.log_text())
             code = self.proc.returncode if self.proc else None
-            raise ServeError(f"the vLLM server for {self.served_name} died (exit {code}): "
-                             f"{reason}. Log: {self.log_path}")
+            how = f"was killed by signal {-code}" if code is not None and code < 0 \
+                else f"died (exit {code})"
+            raise ServeError(f"the vLLM server for {self.served_name} {how}: {reason}. "
+                             f"Log: {self.log_path}", reason=f"server {how}: {reason}")
 
     def log_text(self) -> str:
         try:
@@ -271,8 +349,17 @@ class VllmServer:
             return ""
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
-            return response.read().decode()
+        """The server's Prometheus ``/metrics``; a dead or silent server is a ServeError."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as response:
+                return response.read().decode()
+        except OSError as err:
+            if self.proc is not None:  # a refused or reset connection: is it going down?
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5)
+            self.check_alive()
+            raise ServeError(f"the vLLM server for {self.served_name} did not answer /metrics "
+                             f"({err}). Log: {self.log_path}", reason=f"/metrics: {err}") from None
 
     def processes(self) -> list[psutil.Process]:
         """The server and every process it started."""
@@ -350,6 +437,11 @@ class ServerPool:
     def holds(self, server: VllmServer) -> bool:
         return any(s is server for s in self._servers.values())
 
+    def discard(self, server: VllmServer) -> None:
+        """Forget (and stop) a server that failed: no later stage is lent it."""
+        self._servers = {k: s for k, s in self._servers.items() if s is not server}
+        server.stop()
+
     def close(self) -> None:
         for server in self._servers.values():
             server.stop()
@@ -372,6 +464,6 @@ def _gpu_memory_of(pids: set[int]) -> int:
     total = 0
     for line in out.splitlines():
         pid, _, mib = line.partition(",")
-        if pid.strip().isdigit() and int(pid) in pids:
-            total += int(mib.strip() or 0) * 2**20
+        if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit():  # MIG: [N/A]
+            total += int(mib.strip()) * 2**20
     return total

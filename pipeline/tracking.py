@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import platform
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from pipeline import paths
+from pipeline.errors import TrackingError
 
 EXPERIMENT_PREFIX = "qpipe/"
 
@@ -30,6 +33,10 @@ PEAK_RSS_BYTES = "peak_rss_bytes"
 
 TAG_STAGE = "qpipe.stage"
 TAG_CACHE_KEY = "qpipe.cache_key"
+# Where a figure came from: the machine's one-line profile (param) and its key (tag).
+PARAM_HARDWARE = "hardware"
+TAG_HARDWARE_KEY = "qpipe.hardware_key"
+TAG_SERVING_STATUS = "serving_status"  # ok | unsupported (a hardware limit) | failed
 
 
 def mlflow_module() -> Any:
@@ -39,6 +46,41 @@ def mlflow_module() -> Any:
 
     mlflow.set_tracking_uri(paths.default_tracking_uri())
     return mlflow
+
+
+def _fix(uri: str) -> str:
+    local = f"sqlite:///{paths.PROJECT_ROOT / 'mlflow.db'}"
+    return (f"Fix: start the server (`make ui` starts a local one), correct MLFLOW_TRACKING_URI "
+            f"(now {uri}), or unset it to use the local store {local}.")
+
+
+def check_store(timeout: float = 5) -> None:
+    """Fail in seconds, before any work, when the tracking store cannot be reached (MLflow
+    itself retries an unreachable server for minutes, and only after the work is done)."""
+    uri = paths.default_tracking_uri()
+    scheme = urlparse(uri).scheme.split("+")[0]
+    try:
+        if scheme in ("http", "https"):
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+                pass
+        elif scheme in ("postgresql", "mysql"):
+            import sqlalchemy
+
+            engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(timeout)})
+            try:
+                with engine.connect():
+                    pass
+            finally:
+                engine.dispose()
+        elif scheme == "sqlite":
+            db = Path(uri.removeprefix("sqlite:///"))
+            folder = db.parent if uri.startswith("sqlite:///") else Path.cwd()
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise OSError(f"{folder} is not a writable directory")
+    except Exception as err:  # any driver's or socket's failure ends the same way for the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrackingError(f"the MLflow tracking store {uri} cannot be reached ({first}); "
+                            f"nothing was done. {_fix(uri)}") from None
 
 
 def experiment_name(baseline_name: str) -> str:
@@ -54,16 +96,24 @@ def prepare(baseline_name: str) -> None:
 def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:
     """The id of a finished run of ``stage`` with this cache key, if one is recorded."""
     mlflow = mlflow_module()
-    experiment = mlflow.get_experiment_by_name(experiment_name(baseline_name))
-    if experiment is None:
-        return None
-    runs = mlflow.search_runs(
-        [experiment.experiment_id],
-        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CACHE_KEY}` = '{cache_key}'"
-        " and attributes.status = 'FINISHED'",
-        max_results=1,
-        output_format="list",
-    )
+    try:
+        experiment = mlflow.get_experiment_by_name(experiment_name(baseline_name))
+        if experiment is None:
+            return None
+        runs = mlflow.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and "
+            f"tags.`{TAG_CACHE_KEY}` = '{cache_key}' and attributes.status = 'FINISHED'",
+            max_results=1,
+            output_format="list",
+        )
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:
+        uri = paths.default_tracking_uri()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrackingError(f"the MLflow store {uri} could not be searched ({first[:300]}). "
+                            f"{_fix(uri)}") from None
     return runs[0].info.run_id if runs else None
 
 
@@ -82,16 +132,26 @@ def log_run(
     ``stepped`` holds (metric, value, step) for sweeps: the step is the load point.
     """
     mlflow = mlflow_module()
-    mlflow.set_experiment(experiment_name(baseline_name))
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
-    with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
-        mlflow.log_params(dict(params))
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
-        for name, value, step in stepped or []:
-            mlflow.log_metric(name, float(value), step=step)
-        for artifact in artifacts or []:
-            mlflow.log_artifact(str(artifact))
-        return run.info.run_id
+    try:
+        mlflow.set_experiment(experiment_name(baseline_name))
+        with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
+            mlflow.log_params(dict(params))
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
+            for name, value, step in stepped or []:
+                mlflow.log_metric(name, float(value), step=step)
+            for artifact in artifacts or []:
+                mlflow.log_artifact(str(artifact))
+            return run.info.run_id
+    except (KeyboardInterrupt, TrackingError):
+        raise
+    except Exception as err:  # the work is on disk; only its record failed
+        uri = paths.default_tracking_uri()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrackingError(
+            f"{run_name}: the results are on disk, but the MLflow store {uri} refused them "
+            f"({first[:300]}). The next run of the same command records them (nothing is "
+            f"redone). {_fix(uri)}") from None
 
 
 # bench (per variant and load point; the first workload's names are plain, others prefixed)

@@ -8,8 +8,18 @@ import psutil
 import pytest
 
 from pipeline import baseline as baselines
-from pipeline import bench, capacity, evaluate, quantize, recipes, suites, tracking, workloads
-from pipeline.serve import EngineSettings, ServerPool, serve_python
+from pipeline import (
+    bench,
+    capacity,
+    evaluate,
+    hardware,
+    quantize,
+    recipes,
+    suites,
+    tracking,
+    workloads,
+)
+from pipeline.serve import EngineSettings, ServerPool, known_refusal, serve_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -84,12 +94,20 @@ def test_bench_measures_baseline_and_variant_through_vllm(
                                    evaluate.Settings(limit=4, max_model_len=512),
                                    with_divergence=False, track=False, pool=pool)
         out = capsys.readouterr().out
-        assert out.count("scoring through the running vLLM server") == 2, out
+        served = hardware.profile().kernel_library != "_C_AVX2"
+        assert out.count("scoring through the running vLLM server") == 1 + served, out
         assert "starting vLLM" not in out
-        assert scored["int4"]["backend"] == evaluate.SERVED
+        assert scored["int4"]["backend"] == (evaluate.SERVED if served else evaluate.EMULATED)
         assert len(scored["int4"]["results"]["app_facts"].per_item["acc,none"]) == 4
 
     assert _vllm_processes() == [], "a server outlived the run"
+    if hardware.profile().kernel_library == "_C_AVX2":
+        # This CPU has no AVX-512: vLLM CPU's AVX2 kernels cannot run W4A16. The unsupported
+        # path is checked instead (test_avx2_... checks it on every machine).
+        assert summary["int4"]["status"] == "unsupported"
+        assert "cpu_gemm_wna16" in summary["int4"]["reason"]
+        assert scored["int4"]["backend"] == evaluate.EMULATED
+        return
     for name in ("baseline", "int4"):
         entry = summary[name]
         assert entry["status"] == "ok", entry["reason"]
@@ -156,3 +174,58 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary["int4"]["kv"][
         tracking.KV_CACHE_TOKENS]
     assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.3
+
+
+def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
+    tiny_model: Path, workspace: Path, served_setup: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On any x86 machine: vLLM CPU made to load its AVX2 kernels (as an AVX2-only CPU does).
+    W4A16 loads and answers /health, then cannot run: unsupported, with vLLM's reason and the
+    CPU fact, remembered at once; the baseline is measured as usual; eval scores int4 emulated."""
+    monkeypatch.setenv(hardware.ISA_ENV, "avx2")
+    base = baselines.resolve(str(tiny_model))
+    quantize.quantize(base, recipes.load("int4").with_calibration(num_samples=4,
+                                                                  max_seq_length=32))
+    (workspace / "tiny.yaml").write_text(TINY_LOAD.replace("load_points: [1, 2]",
+                                                           "load_points: [2]")
+                                         .replace("repeats: 2", "repeats: 1"))
+    loads = [workloads.load(str(workspace / "tiny.yaml"))]
+    settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
+    with ServerPool() as pool:
+        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
+        int4 = summary["int4"]
+        assert int4["status"] == "unsupported", int4
+        assert int4["reason"].startswith("AttributeError: '_OpNamespace' '_C' object has no "
+                                         "attribute 'cpu_gemm_wna16'"), int4["reason"]
+        assert "_C_AVX2" in int4["reason"] and int4["log"].endswith(".log")
+        assert known_refusal(int4["identity"]) == int4["reason"]  # remembered, for this key
+        assert summary["baseline"]["status"] == "ok"
+        assert summary["baseline"]["workloads"]["tiny"]["points"][2][
+            tracking.OUTPUT_TOKENS_PER_S] > 0
+        assert "unsupported on this hardware (pack-quantized)" in capsys.readouterr().out
+
+        scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
+                                   suites.select(tasks=["app_facts"]),
+                                   evaluate.Settings(limit=4, max_model_len=512),
+                                   with_divergence=False, track=False, pool=pool)
+        assert scored["int4"]["backend"] == evaluate.EMULATED
+        assert "cannot serve it here" in capsys.readouterr().out
+    assert _vllm_processes() == []
+
+    import mlflow
+
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name(base.name))
+    runs = {r.info.run_name: r for r in mlflow.search_runs(
+        [experiment.experiment_id], output_format="list",
+        filter_string="tags.`qpipe.stage` = 'bench'")}
+    run = runs["bench:int4"].data
+    assert run.tags[tracking.TAG_SERVING_STATUS] == "unsupported"
+    assert run.tags[tracking.TAG_HARDWARE_KEY] == "cpu-avx2"
+    assert "forced avx2" in run.params[tracking.PARAM_HARDWARE]
+    assert "cpu_gemm_wna16" in run.params["serving_reason"]
+
+    # the native hardware key keeps its own memory: the forced run taught it nothing
+    monkeypatch.delenv(hardware.ISA_ENV)
+    if hardware.profile().kernel_library != "_C_AVX2":
+        assert known_refusal(int4["identity"]) is None

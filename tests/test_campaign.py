@@ -3,8 +3,12 @@ PostgreSQL, the MLflow server's REST API, and the HTML report in headless Chromi
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests import services
@@ -120,3 +124,93 @@ def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Pat
     job.log.write_text(smooth + "Inferred `SequentialPipeline` for `GPTQModifier`\n"
                        "(1/31): Calibrating: 100%\n(2/31): Calibrating:  10%\n")
     assert campaign._quantize_progress(job) == "GPTQ layer 2/31"
+
+
+KILL_CAMPAIGN = """\
+description: a campaign whose int8 server is killed mid-bench
+recipes: [fp8, int8]
+workloads: [{workload}]
+suites: [app]
+limit: 4
+backend: hf
+divergence: false
+plan: {{gpu: h100-80gb, context: 512, max_context: 1024}}
+"""
+KILL_LOAD = """\
+description: tiny sweep
+dataset: random
+input_len: 32
+output_len: 8
+load_points: [1, 2]
+headline: 2
+min_prompts: 2
+prompts_per_concurrency: 1
+repeats: 2
+seed: 7
+"""
+
+
+def _kill_when_measured(workspace: Path, name: str, stop: threading.Event,
+                        killed: dict[str, int]) -> None:
+    """kill -9 the vLLM server of ``name`` once its first load point is on disk."""
+    while not stop.is_set():
+        if list((workspace / "artifacts" / "bench").glob(f"*/.tmp-*/runs/{name}-*.json")):
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = proc.info["cmdline"] or []
+                if "serve" in cmd and name in cmd and "--served-model-name" in cmd:
+                    killed["pgid"] = os.getpgid(proc.pid)
+                    proc.kill()
+                    return
+        stop.wait(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
+    tiny_model: Path, workspace: Path
+) -> None:
+    (workspace / "kill.yaml").write_text(KILL_LOAD)
+    spec = workspace / "kill-campaign.yaml"
+    spec.write_text(KILL_CAMPAIGN.format(workload=workspace / "kill.yaml"))
+    stop, killed = threading.Event(), {}
+    watcher = threading.Thread(target=_kill_when_measured,
+                               args=(workspace, "int8", stop, killed), daemon=True)
+    watcher.start()
+    try:
+        result = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
+                         "--engine-arg=--max-model-len=512", timeout=1200)
+    finally:
+        stop.set()
+        watcher.join(5)
+    assert "pgid" in killed, result.stdout[-3000:]
+    # exit 1 and one line at the end: int8 failed in bench, the rest was measured
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "int8 in bench" in last and "killed by signal 9" in last, last
+    assert "The other variants were measured, compared and logged" in last
+    # nothing left running: not the killed server's engine processes, nor any other server
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if str(workspace) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers and not services.process_group(killed["pgid"])
+
+    reports = workspace / "artifacts" / "reports" / tiny_model.name
+    comparison = json.loads((reports / "comparison.json").read_text())
+    rows = {r["name"]: r for r in comparison["rows"]}
+    assert rows["int8"]["serving"] == "failed" and rows["fp8"]["serving"] == "ok"
+    assert rows["fp8"]["speedup"] > 0 and rows["int8"]["speedup"] is None
+    assert [(f["variant"], f["stage"]) for f in comparison["failures"]] == [("int8", "bench")]
+    assert comparison["recommendation"] != "int8"
+    assert "FAILED: int8 in bench" in (reports / "report.html").read_text()
+
+    import mlflow
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.get_experiment_by_name(f"qpipe/{tiny_model.name}")
+    runs = {r.info.run_name: r.data for r in mlflow.search_runs(
+        [experiment.experiment_id], output_format="list")}
+    assert runs["bench:fp8"].metrics["output_tokens_per_s"] > 0
+    assert runs["bench:int8"].tags["serving_status"] == "failed"
+    assert "killed by signal 9" in runs["bench:int8"].params["serving_reason"]
+    assert runs["variant:int8"].tags["serving_status"] == "failed"
+    assert runs["variant:fp8"].metrics["speedup"] > 0
+    assert runs["campaign:kill-campaign"].tags["failures"] == "int8 (bench)"

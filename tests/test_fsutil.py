@@ -50,3 +50,14 @@ def test_stale_temp_dirs_of_killed_runs_are_removed(tmp_path: Path) -> None:
     (tmp_path / "int4").mkdir()
     assert [p.name for p in remove_stale_temp_dirs(tmp_path)] == [".tmp-int4-abc"]
     assert [p.name for p in tmp_path.iterdir()] == ["int4"]
+
+
+def test_a_library_error_for_a_full_disk_becomes_the_same_clear_error(tmp_path: Path) -> None:
+    """safetensors raises its own error type, not OSError, when the disk fills."""
+    from safetensors import SafetensorError
+
+    with pytest.raises(OutputError) as err, atomic_dir(tmp_path / "baseline"):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                              'StorageFull, message: "No space left on device" })')
+    assert "disk is full" in str(err.value) and str(tmp_path) in str(err.value)
+    assert list(tmp_path.iterdir()) == []

@@ -64,3 +64,25 @@ def test_heartbeat_reports_progress(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "[all] step: started" in out
     assert "[all] running: step (layer 3/7, 0:00)" in out
+
+
+def test_keep_going_runs_the_others_and_returns_the_failures(tmp_path: Path) -> None:
+    todo = [_job(tmp_path, "bad", "import sys; print('boom'); sys.exit(3)"),
+            _job(tmp_path, "good", "print('fine')")]
+    done: list[str] = []
+    failed = jobs.run_all(todo, slots=1, on_done=lambda job: done.append(job.label),
+                          poll_s=0.05, keep_going=True)
+    assert done == ["good"]
+    assert [(f.job.label, f.code) for f in failed] == [("bad", 3)]
+
+
+def test_a_campaign_leaves_a_failed_recipe_out_of_the_later_stages() -> None:
+    from pipeline import campaign
+
+    argv = ["bench", "--baseline", "b", "--recipe", "fp8", "--recipe", "int4", "--force"]
+    assert campaign._without(argv, {"int4"}) == ["bench", "--baseline", "b", "--recipe", "fp8",
+                                                 "--force"]
+    assert campaign._last_error("x\nTraceback\nValueError: bad scheme\n") == \
+        "ValueError: bad scheme"
+    assert campaign._last_error("[quantize] x\nqpipe quantize: recipe broke\n") == \
+        "qpipe quantize: recipe broke"

@@ -13,6 +13,31 @@ import pytest
 
 from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, failure_reason
 
+# A stand-in server: GET answers 200 (/health, /metrics); POST calls the scenario's handler.
+HTTP_FAKE = """
+        import http.server, json, os, sys, threading, time
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        COMPLETION = json.dumps({"choices": [{"text": " Paris"}],
+                                 "usage": {"completion_tokens": 4}}).encode()
+        handler = None
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                handler(self)
+            def log_message(self, *a): pass
+        def answer(code, body):
+            def reply(request):
+                request.send_response(code); request.end_headers(); request.wfile.write(body)
+            return reply
+        def serve(on_post):
+            global handler
+            handler = on_post
+            server = http.server.HTTPServer(("127.0.0.1", port), H)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+"""
+
 FAKE_VLLM = {
     "unsupported": """
         import sys
@@ -30,20 +55,39 @@ FAKE_VLLM = {
         import time
         time.sleep(600)
     """,
-    # Answers /health, then dies (as an engine crash mid-benchmark would).
-    "dies": """
-        import http.server, sys, threading, os, time
-        port = int(sys.argv[sys.argv.index("--port") + 1])
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
-            def log_message(self, *a): pass
-        server = http.server.HTTPServer(("127.0.0.1", port), H)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Answers /health and its warm-up request, then dies (an engine crash mid-benchmark).
+    "dies": HTTP_FAKE + """
+        serve(answer(200, COMPLETION))
         time.sleep(float(os.environ.get("FAKE_LIFETIME", "3")))
         print("(EngineCore pid=7) ERROR [core.py:9] RuntimeError: EngineCore died unexpectedly")
         sys.stdout.flush()
         os._exit(1)
+    """,
+    # Loads, answers /health, and dies at its first request: a kernel this CPU's vLLM lacks.
+    "kernel_missing": HTTP_FAKE + """
+        def die():
+            print("(Worker pid=9) ERROR 11-30 18:22:15 [multiproc_executor.py:1063] "
+                  "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'")
+            print("(EngineCore pid=8) ERROR 11-30 18:22:15 [core.py:1512] RuntimeError: Worker "
+                  "failed with error ''_OpNamespace' '_C' object has no attribute "
+                  "'cpu_gemm_wna16'', please check the stack trace above for the root cause")
+            sys.stdout.flush()
+            os._exit(1)
+        serve(lambda request: die())
+        time.sleep(600)
+    """,
+    # Answers /health but every completion with HTTP 500, and stays up.
+    "answers_500": HTTP_FAKE + """
+        serve(answer(500, b'{"error": "internal"}'))
+        time.sleep(600)
+    """,
+    # Warns that something "is not supported", then dies of an out-of-memory error.
+    "oom": """
+        import sys
+        print("WARNING 11-30 09:45:00 [config.py:1] chunked prefill is not supported here")
+        print("ERROR 11-30 09:45:01 [core.py:1] torch.OutOfMemoryError: CUDA out of memory. "
+              "Tried to allocate 2.00 GiB")
+        sys.exit(1)
     """,
 }
 
@@ -157,3 +201,64 @@ def test_cpu_and_gpu_commands_differ_only_where_they_must(tmp_path: Path) -> Non
     assert "--gpu-memory-utilization" not in cpu.command()
     assert cpu.environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "VLLM_CPU_KVCACHE_SPACE" not in {k for k in gpu.environment() if k not in os.environ}
+
+
+def test_a_format_that_loads_but_cannot_run_is_unsupported_with_the_hardware_fact(
+        tmp_path: Path, fake_vllm) -> None:
+    """Served means answered: /health alone is not enough (vLLM CPU's AVX2 kernels)."""
+    fake_vllm("kernel_missing")
+    with pytest.raises(UnsupportedFormat) as err, _server(tmp_path):
+        pass
+    reason = err.value.reason
+    assert reason.startswith("AttributeError: '_OpNamespace' '_C' object has no attribute "
+                             "'cpu_gemm_wna16'"), reason  # the root cause, not the RuntimeError
+    assert "cpu_gemm_wna16 kernel for W4A16" in reason and "_C_AVX" in reason
+    _no_children_left()
+
+
+def test_a_server_that_fails_its_warm_up_but_lives_is_a_serve_error(
+        tmp_path: Path, fake_vllm) -> None:
+    fake_vllm("answers_500")
+    server = _server(tmp_path)
+    server.death_grace_s = 2
+    with pytest.raises(ServeError) as err, server:
+        pass
+    assert not isinstance(err.value, UnsupportedFormat)
+    assert "warm-up request failed" in str(err.value) and "500" in str(err.value)
+    assert server.proc is not None and server.proc.poll() is not None  # stopped
+    _no_children_left()
+
+
+def test_an_out_of_memory_crash_is_not_recorded_as_unsupported(tmp_path: Path, fake_vllm) -> None:
+    fake_vllm("oom")
+    with pytest.raises(ServeError) as err, _server(tmp_path):
+        pass
+    assert not isinstance(err.value, UnsupportedFormat)
+    assert "OutOfMemoryError" in err.value.reason
+
+
+def test_failure_reason_ignores_warnings_and_prefers_a_resource_failure() -> None:
+    log = ("WARNING 11-30 [x.py:1] FP8 KV cache is not supported on this device\n"
+           "ERROR 11-30 [core.py:1] RuntimeError: CUDA error: out of memory\n")
+    reason, unsupported = failure_reason(log)
+    assert not unsupported and "out of memory" in reason
+    reason, unsupported = failure_reason("WARNING [x.py:1] is not supported\n"
+                                         "ERROR [core.py:1] ValueError: bad max_model_len\n")
+    assert not unsupported and reason == "ValueError: bad max_model_len"
+
+
+def test_metrics_of_a_killed_server_is_a_serve_error_naming_it(
+        tmp_path: Path, fake_vllm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill -9 of a server mid-bench: one sentence naming the model and its log."""
+    import signal
+
+    fake_vllm("dies")
+    monkeypatch.setenv("FAKE_LIFETIME", "600")
+    with _server(tmp_path) as server:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        with pytest.raises(ServeError) as err:
+            server.metrics_text()
+    assert "the vLLM server for m was killed by signal 9" in str(err.value)
+    assert str(tmp_path / "server.log") in str(err.value)
+    _no_children_left()

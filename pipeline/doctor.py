@@ -1,0 +1,195 @@
+"""``qpipe doctor`` (``make doctor``): this machine, and which formats its vLLM can serve, and why.
+
+Three kinds of evidence, each named where it is shown:
+
+- ``probe``: the vLLM CPU kernel library this CPU makes vLLM load, opened in the serving
+  environment, and whether it holds the op a format's kernel calls (e.g. ``cpu_gemm_wna16``);
+- ``measured here``: what qpipe's own runs on this hardware key saw (a refusal remembered by
+  bench or eval, or a variant served and measured by bench);
+- ``vLLM 0.32 source``: the kernel-selection rules read from vLLM's source and docs, for what
+  neither of the above covers (GPU generations, formats with no CPU kernel at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import hardware, paths
+from pipeline.fsutil import read_json
+
+SERVES, UNSUPPORTED, PARTIAL, UNKNOWN = "serves", "unsupported", "serves (degraded)", "unknown"
+SOURCE = "vLLM 0.32 source"
+
+
+@dataclass(frozen=True)
+class Support:
+    format: str  # compressed-tensors format, or what the row is about
+    recipes: str  # the shipped recipes that make it
+    status: str  # serves | unsupported | serves (degraded) | unknown
+    why: str
+    source: str  # probe | measured here | vLLM 0.32 source
+
+
+# CPU rules: (format, recipes, the op its kernel needs or None, what to say without a probe)
+CPU_RULES: tuple[tuple[str, str, str | None, str, str], ...] = (
+    ("dense bf16", "baseline", None, SERVES, "torch / oneDNN GEMMs"),
+    ("pack-quantized (W4A16)", "int4", "cpu_gemm_wna16", SERVES, "CPUWNA16 kernel"),
+    ("int-quantized (INT8 W8A8)", "int8", "onednn_scaled_mm", SERVES, "oneDNN scaled mm"),
+    ("float-quantized (FP8 W8A8)", "fp8", None, SERVES,
+     "a torch scaled-mm path, the slowest of the served formats on CPUs"),
+    ("mxfp4-pack-quantized (MXFP4)", "mxfp4", None, UNSUPPORTED,
+     "no CPU kernel: \"Failed to find a kernel that can implement the MXFP4 linear layer\" "
+     "(vLLM's emulation kernel is CUDA-only)"),
+    ("nvfp4-pack-quantized (NVFP4)", "-", None, UNSUPPORTED,
+     "no CPU kernel (Marlin FP4 is CUDA-only)"),
+)
+
+
+def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None) -> list[Support]:
+    """Each format on this CPU: from the kernel-library probe where an op decides it."""
+    ops = set(probe["ops"]) if probe else None
+    library = probe["library"] if probe else prof.kernel_library
+    out = []
+    for fmt, recipes, op, status, why in CPU_RULES:
+        if op is not None and ops is not None:
+            has = op in ops
+            out.append(Support(fmt, recipes, SERVES if has else UNSUPPORTED,
+                               f"{library} {'has' if has else 'has no'} {op} ({why})"
+                               + ("" if has or library == "_C" else
+                                  "; AVX-512 CPUs load _C or _C_AVX512, which have it"),
+                               "probe"))
+        else:
+            out.append(Support(fmt, recipes, status, why, SOURCE))
+    amx, avx512 = "amx_tile" in prof.flags_seen, "avx512f" in prof.flags_seen
+    out.append(Support("FP8 block-wise (FP8_BLOCK)", "-", SERVES if amx else UNSUPPORTED,
+                       "needs AMX" + ("" if amx else ": this CPU has none"), SOURCE))
+    out.append(Support("FP8 KV cache (--kv-cache-dtype fp8)", "-",
+                       SERVES if (amx or avx512) else UNSUPPORTED,
+                       "needs AVX-512 or AMX (cpu_attn.py)"
+                       + ("" if (amx or avx512) else ": this CPU has neither"), SOURCE))
+    return out
+
+
+def cuda_support(prof: hardware.Profile) -> list[Support]:
+    """Each format on this GPU generation, from vLLM's kernel-selection rules (not measured)."""
+    cc_text = prof.gpus[0].compute_capability if prof.gpus else ""
+    if not cc_text:
+        return [Support("all formats", "-", UNKNOWN, "the driver did not report the compute "
+                        "capability", SOURCE)]
+    cc = float(cc_text)
+
+    def rule(fmt: str, recipes: str, ok: bool, why: str) -> Support:
+        return Support(fmt, recipes, SERVES if ok else UNSUPPORTED, why, SOURCE)
+
+    fp8 = (SERVES, "native FP8 W8A8 (capability >= 8.9)") if cc >= 8.9 else (
+        (PARTIAL, "served as W8A16Fp8 through Marlin: weights FP8, activations bf16 "
+                  "(no native FP8 below 8.9)") if cc >= 8.0 else
+        (UNSUPPORTED, "needs capability >= 8.0"))
+    return [
+        rule("dense bf16", "baseline", cc >= 8.0, "bf16 needs capability >= 8.0"),
+        rule("pack-quantized (W4A16)", "int4", cc >= 8.0,
+             "Machete on 9.0 (group -1/64/128), Marlin from 8.0 (group -1/32/64/128)"),
+        Support("float-quantized (FP8 W8A8)", "fp8", fp8[0], fp8[1], SOURCE),
+        rule("int-quantized (INT8 W8A8)", "int8", cc >= 7.5, "CUTLASS scaled mm"),
+        rule("mxfp4-pack-quantized (MXFP4)", "mxfp4", cc >= 8.0,
+             "native on Blackwell (10.x), Marlin MXFP4 from 8.0"),
+        rule("nvfp4-pack-quantized (NVFP4)", "-", cc >= 8.0,
+             "native on Blackwell (10.x), Marlin FP4 from 8.0"),
+    ]
+
+
+def probe_kernels(prof: hardware.Profile) -> dict[str, Any] | None:
+    """The vLLM CPU kernel library and its ops, as a server here would load them."""
+    from pipeline.serve import serve_python
+
+    if prof.target != "cpu" or not serve_python().exists():
+        return None
+    import os
+
+    env = {**os.environ, **hardware.serving_environment(prof.vllm_cpu_isa)}
+    try:
+        out = subprocess.run([str(serve_python()),
+                              str(Path(__file__).with_name("vllm_kernel_probe.py"))],
+                             capture_output=True, text=True, timeout=300, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if out.returncode == 0 and lines else None
+
+
+def measured_here(prof: hardware.Profile) -> list[str]:
+    """What qpipe's own runs saw on this hardware key: refusals and served variants."""
+    names = _variant_names()
+    out = []
+    for path in sorted((paths.artifacts_dir() / "cache" / "unsupported").glob(
+            f"*-{prof.key()}.json")):
+        record = read_json(path)
+        identity = path.name.removesuffix(f"-{prof.key()}.json")
+        out.append(f"refused: {names.get(identity, identity)} (vLLM {record.get('vllm', '?')},"
+                   f" {record.get('when', 'date unknown')}): {record.get('reason', '?')}")
+    served: dict[str, str] = {}
+    for summary_path in (paths.artifacts_dir() / "bench").glob("*/*/summary.json"):
+        summary = read_json(summary_path)
+        if summary.get("hardware", {}).get("key") != prof.key():
+            continue
+        for name, entry in summary.get("models", {}).items():
+            if entry.get("status") == "ok":
+                served[f"{summary.get('baseline', '?')}/{name}"] = entry.get("format", "?")
+    out += [f"served and measured: {name} ({fmt})" for name, fmt in sorted(served.items())]
+    return out
+
+
+def _variant_names() -> dict[str, str]:
+    names = {}
+    for manifest in paths.variants_dir().glob("*/*/qpipe_manifest.json"):
+        data = read_json(manifest)
+        if "cache_key" in data:
+            names[data["cache_key"]] = f"{manifest.parent.parent.name}/{manifest.parent.name}"
+    return names
+
+
+def report(prof: hardware.Profile) -> dict[str, Any]:
+    probe = probe_kernels(prof)
+    table = cpu_support(prof, probe) if prof.target == "cpu" else cuda_support(prof)
+    return {"hardware": prof.as_dict(), "probe": probe and {
+        "library": probe["library"], "ops": len(probe["ops"])},
+        "formats": [asdict(s) for s in table], "measured_here": measured_here(prof)}
+
+
+def render(data: dict[str, Any]) -> str:
+    h = data["hardware"]
+    lines = [f"machine:  {h['summary']}", f"key:      {h['key']} (caches and refusals are kept "
+             "per key)"]
+    if h["target"] == "cpu":
+        lines.append(f"ISA seen by vLLM: {h['vllm_cpu_isa']} (VLLM_CPU_ISA=avx2 runs the AVX2 "
+                     "path on any x86 CPU)")
+    probe = data["probe"]
+    lines.append(f"probe:    {probe['library']} loaded in the serving environment, "
+                 f"{probe['ops']} ops" if probe else
+                 "probe:    not run (no CPU serving environment: make setup)")
+    rows = [(s["format"], s["recipes"], s["status"], s["why"], s["source"])
+            for s in data["formats"]]
+    widths = [max(len(r[i]) for r in [("format", "recipes", "here", "why", ""), *rows])
+              for i in range(3)]
+    lines += ["", "  ".join(t.ljust(w) for t, w in zip(("format", "recipes", "here"), widths,
+                                                         strict=True)) + "  why [source]"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True))
+              + f"  {r[3]} [{r[4]}]" for r in rows]
+    if data["measured_here"]:
+        lines += ["", "measured here:", *[f"  {m}" for m in data["measured_here"]]]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    data = report(hardware.profile())
+    print(json.dumps(data, indent=2) if args.json else render(data))
+    return 0

@@ -1,0 +1,213 @@
+"""What this machine is, as far as serving kernels care: CPU ISA, GPUs, the vLLM build.
+
+vLLM's CPU build ships three kernel libraries and loads one at start-up by the CPU's features
+(``vllm/platforms/cpu.py``, ``import_kernels``): ``_C`` (AVX-512 with bf16), ``_C_AVX512`` and
+``_C_AVX2``. Which formats a machine serves follows from that choice (``_C_AVX2`` has no
+``cpu_gemm_wna16``, so W4A16 cannot run), and on GPUs from the compute capability. Every bench
+and eval run records this profile, caches and refusal memories are keyed by it, and
+``qpipe doctor`` prints it.
+
+``QPIPE_VLLM_CPU_ISA=avx2`` (Makefile ``VLLM_CPU_ISA=avx2``) makes the vLLM servers qpipe starts
+see a CPU without AVX-512 and AMX, so they load ``_C_AVX2`` as an AVX2-only machine would: the
+AVX2 path can be run and tested on any x86 machine (``avx512`` keeps AVX-512 without bf16:
+``_C_AVX512``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ISA_ENV = "QPIPE_VLLM_CPU_ISA"
+ISAS = ("native", "avx512", "avx2")
+# The flags that decide which kernels vLLM CPU and torch use (as /proc/cpuinfo spells them).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl",
+                "amx_tile", "amx_bf16", "amx_int8")
+# A sitecustomize.py that hides AVX-512 and AMX from torch.cpu in the serving processes.
+SHIM_DIR = Path(__file__).with_name("isa_shim")
+LIBRARY_ISA = {"_C": "AVX-512 with bf16", "_C_AVX512": "AVX-512 without bf16",
+               "_C_AVX2": "AVX2"}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_mib: int | None  # None where nvidia-smi says [N/A] (MIG instances)
+    compute_capability: str  # "9.0"; "" if the driver does not report it
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The hardware facts behind a figure: recorded with every bench and eval run."""
+
+    target: str  # cpu | cuda
+    machine: str  # x86_64, aarch64
+    cpu_model: str
+    cores: int
+    cpu_flags: tuple[str, ...]  # the KERNEL_FLAGS this CPU has (before any forced ISA)
+    vllm_cpu_isa: str  # native, or the ISA the serving processes are made to see
+    vllm: str  # the serving environment's vLLM version
+    gpus: tuple[Gpu, ...] = ()
+
+    @property
+    def flags_seen(self) -> tuple[str, ...]:
+        """The flags vLLM CPU sees: all of them, or without AVX-512 / AMX (or bf16) if forced."""
+        if self.vllm_cpu_isa == "avx2":
+            return tuple(f for f in self.cpu_flags if not f.startswith(("avx512", "amx")))
+        if self.vllm_cpu_isa == "avx512":
+            return tuple(f for f in self.cpu_flags if f not in ("avx512_bf16",)
+                         and not f.startswith("amx"))
+        return self.cpu_flags
+
+    @property
+    def kernel_library(self) -> str:
+        """The vLLM CPU kernel library this CPU makes vLLM load (``import_kernels``)."""
+        if self.machine not in ("x86_64", "AMD64"):
+            return "_C"
+        seen = self.flags_seen
+        if "avx512f" in seen:
+            return "_C" if "avx512_bf16" in seen else "_C_AVX512"
+        return "_C_AVX2"
+
+    @property
+    def isa(self) -> str:
+        """avx512bf16 | avx512 | avx2 (+amx): the class of CPU that decides vLLM's kernels."""
+        seen = self.flags_seen
+        isa = {"_C": "avx512bf16", "_C_AVX512": "avx512", "_C_AVX2": "avx2"}[
+            self.kernel_library] if self.machine in ("x86_64", "AMD64") else self.machine
+        return isa + ("+amx" if "amx_tile" in seen else "")
+
+    def key(self) -> str:
+        """Short, file-name safe: caches and refusal memories are kept per key."""
+        if self.target == "cuda" and self.gpus:
+            gpu = self.gpus[0]
+            name = re.sub(r"[^A-Za-z0-9]+", "-", gpu.name).strip("-").lower()
+            cc = gpu.compute_capability.replace(".", "")
+            return f"cuda-{name}-sm{cc or 'unknown'}"
+        return f"cpu-{self.isa}"
+
+    def describe(self) -> str:
+        """One line for tables, run params and the report."""
+        if self.target == "cuda" and self.gpus:
+            gpu = self.gpus[0]
+            memory = f"{gpu.memory_mib / 1024:.0f} GiB" if gpu.memory_mib else "memory n/a"
+            cc = f", compute capability {gpu.compute_capability}" \
+                if gpu.compute_capability else ""
+            count = f"{len(self.gpus)}x " if len(self.gpus) > 1 else ""
+            return f"{count}{gpu.name} ({memory}{cc}); vLLM {self.vllm}"
+        flags = ", ".join(self.flags_seen) or "no AVX2"
+        forced = f" (forced {self.vllm_cpu_isa}: QPIPE_VLLM_CPU_ISA)" \
+            if self.vllm_cpu_isa != "native" else ""
+        return (f"{self.machine} {self.cpu_model}, {self.cores} cores, {flags}{forced}; "
+                f"vLLM {self.vllm} loads {self.kernel_library} "
+                f"({LIBRARY_ISA.get(self.kernel_library, self.machine)})")
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(key=self.key(), kernel_library=self.kernel_library, summary=self.describe())
+        return data
+
+
+def forced_isa() -> str:
+    """The ISA the serving processes are made to see (``QPIPE_VLLM_CPU_ISA``), or native."""
+    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if value not in ISAS:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"{ISA_ENV}={value!r} is not one of {', '.join(ISAS)} (VLLM_CPU_ISA= "
+                          "in make): avx2 makes vLLM CPU load its AVX2 kernels on any x86 CPU.")
+    return value
+
+
+def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
+    """(model name, the KERNEL_FLAGS present) from /proc/cpuinfo."""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags_line = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    flags = set(flags_line.group(1).split()) if flags_line else set()
+    return (model.group(1).strip() if model else platform.processor() or "unknown CPU",
+            tuple(f for f in KERNEL_FLAGS if f in flags))
+
+
+def parse_nvidia_smi(csv: str) -> tuple[Gpu, ...]:
+    """``nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader,nounits``.
+
+    MIG instances and some containers print ``[N/A]`` for memory: kept as None, not a crash.
+    """
+    gpus = []
+    for line in csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if not parts or not parts[0]:
+            continue
+        memory = parts[1] if len(parts) > 1 else ""
+        cc = parts[2] if len(parts) > 2 else ""
+        gpus.append(Gpu(parts[0], int(float(memory)) if re.fullmatch(r"[\d.]+", memory)
+                        else None, cc if re.fullmatch(r"\d+\.\d+", cc) else ""))
+    return tuple(gpus)
+
+
+def _gpus() -> tuple[Gpu, ...]:
+    for fields in ("name,memory.total,compute_cap", "name,memory.total"):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}",
+                                  "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return ()
+        if out.returncode == 0:
+            return parse_nvidia_smi(out.stdout)
+    return ()
+
+
+@functools.lru_cache(maxsize=8)
+def _profile(target: str, isa: str, vllm: str) -> Profile:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model, flags = parse_cpuinfo(text)
+    return Profile(target=target, machine=platform.machine(), cpu_model=model,
+                   cores=os.cpu_count() or 1, cpu_flags=flags, vllm_cpu_isa=isa, vllm=vllm,
+                   gpus=_gpus() if target == "cuda" else ())
+
+
+def profile() -> Profile:
+    """This machine as the serving engine sees it (cached per target, forced ISA and vLLM)."""
+    from pipeline.serve import serve_target, vllm_version
+
+    return _profile(serve_target(), forced_isa(), vllm_version())
+
+
+def serving_environment(isa: str) -> dict[str, str]:
+    """Variables that make vLLM CPU (and torch in its processes) see only ``isa``."""
+    if isa == "native":
+        return {}
+    env = {ISA_ENV: isa, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)}
+    if isa == "avx2":
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    return env
+
+
+# What a missing kernel op means, for the sentence a user reads.
+OP_FORMATS = {"cpu_gemm_wna16": "W4A16 (weight-only INT4) linear layers",
+              "onednn_scaled_mm": "INT8 W8A8 linear layers"}
+_MISSING_OP = re.compile(r"has no attribute '(\w+)'")
+
+
+def explain(reason: str, prof: Profile) -> str:
+    """The hardware fact behind an engine's refusal, in one clause."""
+    missing = _MISSING_OP.search(reason)
+    if prof.target == "cpu" and missing and "_OpNamespace" in reason:
+        op = missing.group(1)
+        what = OP_FORMATS.get(op, "this format")
+        return (f"this CPU makes vLLM CPU load {prof.kernel_library} "
+                f"({LIBRARY_ISA.get(prof.kernel_library, prof.machine)}: "
+                f"{', '.join(prof.flags_seen) or 'no AVX2'}), which has no {op} kernel for "
+                f"{what}; vLLM's _C and _C_AVX512 libraries (AVX-512 CPUs) have it")
+    return f"on {prof.describe()}"

@@ -1,0 +1,99 @@
+"""The hardware profile: CPU ISA classes, forced ISA, nvidia-smi parsing, and the doctor's table."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import doctor, hardware
+from pipeline.errors import ConfigError
+
+AVX2_ONLY = """processor\t: 0
+model name\t: AMD EPYC 7B12
+flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi1 bmi2
+"""
+AVX512_BF16 = AVX2_ONLY.replace("AMD EPYC 7B12", "AMD EPYC 9B14").replace(
+    "bmi2", "bmi2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16")
+SAPPHIRE = AVX512_BF16.replace("AMD EPYC 9B14", "Intel(R) Xeon(R) Platinum 8481C").replace(
+    "avx512_bf16", "avx512_bf16 amx_bf16 amx_tile amx_int8")
+
+
+def _cpu(cpuinfo: str, isa: str = "native") -> hardware.Profile:
+    model, flags = hardware.parse_cpuinfo(cpuinfo)
+    return hardware.Profile("cpu", "x86_64", model, 2, flags, isa, "0.32.0")
+
+
+def test_cpu_isa_classes_decide_the_kernel_library_as_vllm_does() -> None:
+    assert _cpu(AVX2_ONLY).kernel_library == "_C_AVX2"
+    assert _cpu(AVX2_ONLY).key() == "cpu-avx2"
+    assert _cpu(AVX512_BF16).kernel_library == "_C"
+    assert _cpu(AVX512_BF16).key() == "cpu-avx512bf16"
+    assert _cpu(SAPPHIRE).key() == "cpu-avx512bf16+amx"
+    no_bf16 = _cpu(AVX512_BF16.replace(" avx512_bf16", ""))
+    assert no_bf16.kernel_library == "_C_AVX512" and no_bf16.key() == "cpu-avx512"
+    assert "AMD EPYC 7B12" in _cpu(AVX2_ONLY).describe()
+    assert "loads _C_AVX2 (AVX2)" in _cpu(AVX2_ONLY).describe()
+
+
+def test_a_forced_isa_hides_avx512_and_amx_from_the_profile_and_the_key() -> None:
+    forced = _cpu(SAPPHIRE, "avx2")
+    assert forced.kernel_library == "_C_AVX2" and forced.key() == "cpu-avx2"
+    assert "amx_tile" in forced.cpu_flags and "amx_tile" not in forced.flags_seen
+    assert "forced avx2" in forced.describe()
+    assert _cpu(SAPPHIRE, "avx512").kernel_library == "_C_AVX512"
+
+
+def test_the_forced_isa_reaches_the_serving_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = hardware.serving_environment("avx2")
+    assert env[hardware.ISA_ENV] == "avx2"
+    assert env["PYTHONPATH"].split(":")[0] == str(hardware.SHIM_DIR)
+    assert (hardware.SHIM_DIR / "sitecustomize.py").is_file()
+    assert hardware.serving_environment("native") == {}
+    monkeypatch.setenv(hardware.ISA_ENV, "avx3")
+    with pytest.raises(ConfigError, match="avx2"):
+        hardware.forced_isa()
+
+
+def test_nvidia_smi_rows_with_mig_memory_and_without_compute_capability() -> None:
+    gpus = hardware.parse_nvidia_smi("NVIDIA H100 80GB HBM3, 81559, 9.0\n"
+                                     "NVIDIA A100-SXM4-40GB MIG 1g.5gb, [N/A], 8.0\n"
+                                     "Tesla T4, 15360\n")
+    assert gpus[0] == hardware.Gpu("NVIDIA H100 80GB HBM3", 81559, "9.0")
+    assert gpus[1].memory_mib is None and gpus[1].compute_capability == "8.0"
+    assert gpus[2].compute_capability == ""
+    h100 = hardware.Profile("cuda", "x86_64", "x", 8, (), "native", "0.32.0", gpus[:1])
+    assert h100.key() == "cuda-nvidia-h100-80gb-hbm3-sm90"
+    assert "compute capability 9.0" in h100.describe()
+
+
+def test_a_missing_kernel_op_is_explained_by_the_cpu_that_lacks_it() -> None:
+    reason = "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+    fact = hardware.explain(reason, _cpu(AVX2_ONLY))
+    assert "_C_AVX2" in fact and "no cpu_gemm_wna16 kernel for W4A16" in fact
+    assert "AMD EPYC" in hardware.explain("ValueError: Failed to find a kernel", _cpu(AVX2_ONLY))
+
+
+def test_doctor_reads_w4a16_support_from_the_kernel_library_probe() -> None:
+    avx2 = {s.recipes: s for s in doctor.cpu_support(
+        _cpu(AVX2_ONLY), {"library": "_C_AVX2", "ops": ["onednn_scaled_mm"]})}
+    assert avx2["int4"].status == doctor.UNSUPPORTED and avx2["int4"].source == "probe"
+    assert "_C_AVX2 has no cpu_gemm_wna16" in avx2["int4"].why
+    assert avx2["int8"].status == doctor.SERVES
+    assert avx2["mxfp4"].status == doctor.UNSUPPORTED
+    kv = next(s for s in doctor.cpu_support(_cpu(AVX2_ONLY), None) if "KV" in s.format)
+    assert kv.status == doctor.UNSUPPORTED
+    bf16 = {s.recipes: s for s in doctor.cpu_support(
+        _cpu(AVX512_BF16), {"library": "_C", "ops": ["cpu_gemm_wna16", "onednn_scaled_mm"]})}
+    assert bf16["int4"].status == doctor.SERVES
+
+
+def test_doctor_on_gpus_follows_the_compute_capability() -> None:
+    def on(cc: str) -> dict[str, doctor.Support]:
+        prof = hardware.Profile("cuda", "x86_64", "x", 8, (), "native", "0.32.0",
+                                (hardware.Gpu("GPU", 40960, cc),))
+        return {s.recipes: s for s in doctor.cuda_support(prof)}
+
+    assert on("8.0")["fp8"].status == doctor.PARTIAL and "W8A16" in on("8.0")["fp8"].why
+    assert on("9.0")["fp8"].status == doctor.SERVES
+    assert on("7.5")["int4"].status == doctor.UNSUPPORTED and on("7.5")["int8"].status == \
+        doctor.SERVES
+    assert [s.status for s in on("").values()] == [doctor.UNKNOWN]
