@@ -37,6 +37,8 @@ CAMPAIGN      ?= $(if $(QUICK),quick,default)
 # where make all / compare plan each variant (default: the campaign file's plan:)
 PLAN_GPU      ?=
 PLAN_CONTEXT  ?=
+# what the recommendation optimises: speed (default) | memory | capacity
+OBJECTIVE     ?=
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
 GPU           ?= h100-80gb
@@ -70,7 +72,8 @@ opt = $(if $(2),$(1) $(2))
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
-	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT QUANTIZE_JOBS CALIB_SAMPLES CALIB_SEQ_LEN CALIB_DATA"
+	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
+	@echo "             CALIB_SEQ_LEN CALIB_DATA"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
@@ -87,7 +90,7 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
 	  $(call opt,--repeats,$(REPEATS)) $(call opt,--gpu,$(PLAN_GPU)) \
 	  $(call opt,--context,$(PLAN_CONTEXT)) $(if $(FORCE),--force) \
-	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) \
+	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) $(call opt,--objective,$(OBJECTIVE)) \
 	  $(if $(MAX_MODEL_LEN),--engine-arg=--max-model-len=$(MAX_MODEL_LEN)) \
 	  $(if $(KV_CACHE_GIB),--engine-arg=--kv-cache-gib=$(KV_CACHE_GIB)) \
 	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL))
@@ -95,7 +98,7 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
 	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
 	  $(foreach r,$(RECIPE),--recipe $(r)) $(call opt,--gpu,$(PLAN_GPU)) \
-	  $(call opt,--context,$(PLAN_CONTEXT))
+	  $(call opt,--context,$(PLAN_CONTEXT)) $(call opt,--objective,$(OBJECTIVE))
 
 setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
 

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -145,21 +146,21 @@ class BenchClient:
 
 
 def client_argv(server: VllmServer, model: Model, workload: Workload, concurrency: int,
-                out_dir: Path, tag: str) -> list[str]:
+                out_dir: Path, tag: str, repeat: int = 0) -> list[str]:
     """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand)."""
     return ["--backend", "vllm", "--base-url", server.base_url, "--endpoint", "/v1/completions",
             "--model", server.served_name, "--tokenizer", str(model.path),
-            *workload.client_args(concurrency), "--save-result", "--result-dir", str(out_dir),
-            "--result-filename", f"{tag}.json", "--disable-tqdm"]
+            *workload.client_args(concurrency, repeat), "--save-result", "--result-dir",
+            str(out_dir), "--result-filename", f"{tag}.json", "--disable-tqdm"]
 
 
 def run_client(client: BenchClient, server: VllmServer, model: Model, workload: Workload,
-               concurrency: int, out_dir: Path, tag: str) -> dict[str, Any]:
+               concurrency: int, out_dir: Path, tag: str, repeat: int = 0) -> dict[str, Any]:
     """One load point against ``server``; returns vLLM's saved result JSON."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"{tag}.log"
     try:
-        client.run(client_argv(server, model, workload, concurrency, out_dir, tag), log)
+        client.run(client_argv(server, model, workload, concurrency, out_dir, tag, repeat), log)
     except ServeError:
         server.check_alive()  # a dead server is the better explanation
         raise
@@ -186,6 +187,7 @@ class ModelRecord:
     peak_memory_bytes: int = 0
     # workload -> load point -> list of client results (one per repeat)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = dataclasses.field(default_factory=dict)
+    # workload -> [queried tokens, hit tokens] of the prefix cache over its measured runs
     prefix_counters: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     serve_command: str = ""  # to reproduce by hand (README)
 
@@ -243,9 +245,9 @@ def _servers(models: list[Model], records: dict[str, ModelRecord], settings: Eng
             else:
                 print(f"[bench] {model.name}: reusing the running vLLM server "
                       f"({server.base_url})", flush=True)
-            if settings.enable_prefix_caching:
+            if not record.serve_command:  # the speed sweep's server (caching off)
                 cpu_env = [f"{k}={v}" for k, v in server.environment().items()
-                           if k.startswith("VLLM_CPU")]
+                           if k.startswith(("VLLM_CPU", hardware.ISA_ENV))]
                 record.serve_command = shlex.join([*cpu_env, *server.command()])
             starting.append((model, server))
         started = time.monotonic()
@@ -294,38 +296,63 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
     })
 
 
-def _measure(groups: list[list[Model]], loads: list[Workload], records: dict[str, ModelRecord],
+@dataclass(frozen=True)
+class Step:
+    """One measured run: a workload (under ``key``) at one load point and repeat."""
+
+    workload: Workload
+    key: str  # the workload's name; "<name>_nocache" for the caching-off half of a comparison
+    repeat: int
+    concurrency: int
+    caching: bool
+
+    def runs_on(self, model: str) -> bool:
+        if self.workload.compare_prefix_caching and not self.caching:
+            return self.workload.runs_off(model)
+        return self.workload.runs_on(model)
+
+
+def steps_for(loads: list[Workload], caching: bool) -> list[Step]:
+    """Caching off: the speed sweeps (cold, distinct requests) and the caching-off half of
+    each prefix comparison; caching on: only the other half of those comparisons."""
+    out = []
+    for w in loads:
+        if caching and not w.compare_prefix_caching:
+            continue
+        key = f"{w.name}_nocache" if w.compare_prefix_caching and not caching else w.name
+        out += [Step(w, key, r, c, caching) for r in range(w.repeats) for c in w.load_points]
+    return out
+
+
+def _measure(groups: list[list[Model]], steps: list[Step], records: dict[str, ModelRecord],
              settings: EngineSettings, out: Path, logs: Path, caching: bool,
              pool: ServerPool | None = None) -> None:
-    """Every workload, repeat and load point, the models of a group back to back. A model
-    that fails (its engine dies, requests fail, the client times out) is recorded as failed
-    and stopped; the others go on."""
+    """Every step, the models of a group back to back (interleaved). A model that fails (its
+    engine dies, requests fail, the client times out) is recorded as failed and stopped; the
+    others go on."""
     label = "cache-on" if caching else "cache-off"
     run_settings = dataclasses.replace(settings, enable_prefix_caching=caching)
-    todo = [w for w in loads if caching or w.compare_prefix_caching]
-    steps = [(w, r, c) for w in todo for r in range(w.repeats) for c in w.load_points]
     for group in groups:
         with _servers(group, records, run_settings, logs, label, pool) as live:
             if not live or not steps:
                 continue
-            if caching:
-                for name, server in list(live.items()):
+            for name, server in list(live.items()):
+                if not records[name].kv:
                     try:
                         _record_kv(records[name], server, run_settings)
                     except ServeError as err:
                         _drop(live, name, records, err, pool)
             env = next(iter(live.values())).environment() if live else {}
             with BenchClient(env, logs / "bench-client.log") as client:
-                for i, (workload, repeat, concurrency) in enumerate(steps, start=1):
-                    key = workload.name if caching else f"{workload.name}_nocache"
+                for i, step in enumerate(steps, start=1):
                     for name, server in list(live.items()):
-                        if not (workload.runs_on(name) if caching else workload.runs_off(name)):
+                        if not step.runs_on(name):
                             continue
-                        print(f"[bench] {i}/{len(steps)} {name}: {key} concurrency "
-                              f"{concurrency} repeat {repeat + 1}/{workload.repeats}", flush=True)
+                        print(f"[bench] {i}/{len(steps)} {name}: {step.key} concurrency "
+                              f"{step.concurrency} repeat {step.repeat + 1}/"
+                              f"{step.workload.repeats}", flush=True)
                         try:
-                            _load_point(client, server, records[name], workload, concurrency,
-                                        out / "runs", key, repeat)
+                            _load_point(client, server, records[name], step, out / "runs")
                         except ServeError as err:
                             _drop(live, name, records, err, pool)
 
@@ -342,23 +369,57 @@ def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord
         server.stop()
 
 
-def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, workload: Workload,
-                concurrency: int, out: Path, key: str, repeat: int) -> None:
+HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
+
+
+def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, step: Step,
+                out: Path) -> None:
+    """One run; its prefix-cache counters are checked: a speed sweep must have no hit, and a
+    prefix comparison no hit beyond its shared prefix (else the figure is not what it says)."""
     before = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
-    result = run_client(client, server, record.model, workload, concurrency, out,
-                        f"{record.model.name}-{key}-c{concurrency}-r{repeat}")
+    result = run_client(client, server, record.model, step.workload, step.concurrency, out,
+                        f"{record.model.name}-{step.key}-c{step.concurrency}-r{step.repeat}",
+                        step.repeat)
     after = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
-    record.runs.setdefault(key, {}).setdefault(concurrency, []).append(result)
-    counters = record.prefix_counters.setdefault(key, [0.0, 0.0])
-    counters[0] += after[0] - before[0]
-    counters[1] += after[1] - before[1]
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    rate = hits / queries if queries else 0.0
+    expected = step.workload.expected_prefix_hit_rate(
+        int(record.kv.get("kv_block_size") or 0), step.concurrency) if step.caching else 0.0
+    if hits > 0 and rate > expected + HIT_TOLERANCE:
+        what = ("a cold speed sweep must have none" if not step.caching else
+                f"the shared prefix allows at most {expected:.1%}")
+        raise ServeError(f"{record.model.name}: {step.key} at concurrency {step.concurrency} hit "
+                         f"the prefix cache for {rate:.1%} of its prompt tokens; {what}. Its "
+                         "figures would mix warm and cold requests, so none are kept.",
+                         reason=f"prefix-cache hits {rate:.1%} in {step.key} (allowed "
+                                f"{expected:.1%})")
+    record.runs.setdefault(step.key, {}).setdefault(step.concurrency, []).append(result)
+    counters = record.prefix_counters.setdefault(step.key, [0.0, 0.0])
+    counters[0] += queries
+    counters[1] += hits
 
 
 # --- summary ------------------------------------------------------------------------------
+def pairing(target: str) -> str:
+    """How each speedup ratio pairs its two runs (said wherever a speedup is shown)."""
+    return ("interleaved: the models alternate run by run, on the same prompts" if target == "cpu"
+            else "sequential: each model's repeats back to back, on the same prompts")
+
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    mid = statistics.median(values)
+    return {"": mid, "_min": min(values), "_max": max(values),
+            "_rel_spread": (max(values) - min(values)) / mid if mid else 0.0}
+
+
 def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[str, Any]:
-    """Medians and spread per model, workload and load point; speedup against the baseline."""
+    """Medians and spread per model, workload and load point; speedup against the baseline:
+    the median of the per-repeat ratios (each repeat's variant run over the baseline's run of
+    the same prompts), with their min and max as its spread (one estimator for both)."""
     base = records["baseline"]
     summary: dict[str, Any] = {}
+    by_name = {w.name: w for w in loads}
     for name, record in records.items():
         entry: dict[str, Any] = {"recipe": record.model.recipe, "status": record.status,
                                  "identity": record.model.identity,
@@ -374,24 +435,27 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                 stats = {}
                 for src, metric in CLIENT_METRICS.items():
                     values = [r[src] for r in results if r.get(src) is not None]
-                    if values:
-                        stats[metric] = statistics.median(values)
-                        stats[f"{metric}_min"], stats[f"{metric}_max"] = min(values), max(values)
+                    if values:  # how well the repeats agree: throughput's relative spread
+                        stats.update({f"{metric}{k}": v for k, v in _spread(values).items()
+                                      if k != "_rel_spread" or src == "output_throughput"})
                 base_runs = base.runs.get(key, {}).get(concurrency, []) \
                     if base.status == "ok" else []
-                if name != "baseline" and base_runs:
+                if name != "baseline" and len(base_runs) == len(results) and results:
                     ratios = [v["output_throughput"] / b["output_throughput"]
-                              for v, b in zip(results, base_runs, strict=False)]
-                    base_tps = statistics.median(b["output_throughput"] for b in base_runs)
-                    stats[tracking.SPEEDUP] = stats[tracking.OUTPUT_TOKENS_PER_S] / base_tps
-                    stats[f"{tracking.SPEEDUP}_min"] = min(ratios)
-                    stats[f"{tracking.SPEEDUP}_max"] = max(ratios)
+                              for v, b in zip(results, base_runs, strict=True)]
+                    stats.update({f"{tracking.SPEEDUP}{k}": v
+                                  for k, v in _spread(ratios).items() if k != "_rel_spread"})
                 per_point[concurrency] = stats
             queries, hits = record.prefix_counters.get(key, [0.0, 0.0])
-            entry["workloads"][key] = {
-                "points": per_point,
-                tracking.PREFIX_CACHE_HIT_RATE: hits / queries if queries else 0.0,
-            }
+            data: dict[str, Any] = {
+                "points": per_point, tracking.PREFIX_CACHE_HIT_RATE: hits / queries if queries
+                else 0.0, "prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": queries}
+            workload = by_name.get(key)
+            if workload is not None and workload.compare_prefix_caching:
+                block = int(record.kv.get("kv_block_size") or 0)
+                data[tracking.PREFIX_CACHE_EXPECTED_HIT_RATE] = workload.expected_prefix_hit_rate(
+                    block, workload.headline)
+            entry["workloads"][key] = data
         summary[name] = entry
     for workload in loads:
         for entry in summary.values():
@@ -434,12 +498,11 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
                                         int(concurrency)))
                         if int(concurrency) == workload.headline:
                             metrics[f"{prefix}{suffix}{metric}"] = value
-                if not suffix:
-                    metrics[f"{prefix}{tracking.PREFIX_CACHE_HIT_RATE}"] = data[
-                        tracking.PREFIX_CACHE_HIT_RATE]
-                    if tracking.PREFIX_CACHE_TTFT_SPEEDUP in data:
-                        metrics[f"{prefix}{tracking.PREFIX_CACHE_TTFT_SPEEDUP}"] = data[
-                            tracking.PREFIX_CACHE_TTFT_SPEEDUP]
+                # the hit counters of every measured run: ~0 in a sweep, the prefix's share
+                # in a prefix comparison
+                for name_, value in data.items():
+                    if name_ != "points" and isinstance(value, (int, float)):
+                        metrics[f"{prefix}{suffix}{name_}"] = value
         metrics.update({k: float(v) for k, v in entry["kv"].items()})
         if entry["peak_memory_bytes"]:
             metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry["peak_memory_bytes"]
@@ -447,6 +510,7 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
         params = {tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: entry["recipe"],
                   "format": entry["format"], "workloads": ",".join(w.name for w in loads),
                   "serve_target": target, "vllm": vllm_version(),
+                  "speedup_pairing": pairing(target),
                   tracking.PARAM_HARDWARE: prof.describe()[:500], **settings.as_params()}
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
@@ -465,15 +529,19 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
             stepped=stepped)
 
 
-def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
+def format_table(summary: dict[str, Any], loads: list[Workload], pairing_text: str = "") -> str:
     """The terminal view: one line per model at each workload's headline load point."""
     lines = []
     for workload in loads:
         head = workload.headline
-        lines.append(f"\n{workload.name} (concurrency {head}; median of {workload.repeats}, "
-                     "[min-max])")
-        lines.append(f"  {'model':10s} {'out tok/s':>22s} {'speedup':>18s} {'TTFT p50':>9s} "
-                     f"{'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} {'peak mem':>9s}")
+        caching = "prefix caching on vs off" if workload.compare_prefix_caching else \
+            "prefix caching off: cold, distinct prompts"
+        lines.append(f"\n{workload.name} (concurrency {head}, {workload.num_prompts(head)} "
+                     f"requests x {workload.output_len} tokens out; {caching}; median of "
+                     f"{workload.repeats} repeats [min-max], spread = (max - min) / median)")
+        lines.append(f"  {'model':10s} {'out tok/s':>22s} {'spread':>7s} {'speedup':>18s} "
+                     f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} "
+                     f"{'cache hits':>10s}")
         for name, entry in summary.items():
             if entry["status"] == "failed":
                 lines.append(f"  {name:10s} FAILED: {entry['reason']}\n  {'':10s} log: "
@@ -484,28 +552,36 @@ def format_table(summary: dict[str, Any], loads: list[Workload]) -> str:
                 lines.append(f"  {name:10s} unsupported on this hardware ({entry['format']}): "
                              f"{entry['reason']}\n  {'':10s} served on: {where}")
                 continue
-            stats = entry["workloads"].get(workload.name, {}).get("points", {}).get(head)
+            data = entry["workloads"].get(workload.name, {})
+            stats = data.get("points", {}).get(head)
             if not stats:
                 continue
             tps = (f"{stats[tracking.OUTPUT_TOKENS_PER_S]:7.1f} "
-                   f"[{stats[tracking.OUTPUT_TOKENS_PER_S + '_min']:.0f}-"
-                   f"{stats[tracking.OUTPUT_TOKENS_PER_S + '_max']:.0f}]")
+                   f"[{stats[tracking.OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
+                   f"{stats[tracking.OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
+            spread = f"{stats.get(tracking.OUTPUT_TOKENS_PER_S + '_rel_spread', 0):.0%}"
             speed = (f"{stats[tracking.SPEEDUP]:.2f}x [{stats[tracking.SPEEDUP + '_min']:.2f}-"
                      f"{stats[tracking.SPEEDUP + '_max']:.2f}]") if tracking.SPEEDUP in stats \
                 else "(reference)"
             kv = entry["kv"].get(tracking.KV_CACHE_TOKENS, 0)
             ttft50, ttft99 = stats[tracking.TTFT_MS_P50], stats[tracking.TTFT_MS_P99]
-            lines.append(f"  {name:10s} {tps:>22s} {speed:>18s} {ttft50:7.0f}ms {ttft99:7.0f}ms"
-                         f" {stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} "
-                         f"{entry['peak_memory_bytes'] / 1e9:7.2f}GB")
+            hits = f"{data.get(tracking.PREFIX_CACHE_HIT_RATE, 0):.1%}"
+            lines.append(f"  {name:10s} {tps:>22s} {spread:>7s} {speed:>18s} {ttft50:7.0f}ms "
+                         f"{ttft99:7.0f}ms {stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} "
+                         f"{hits:>10s}")
         if workload.compare_prefix_caching:
             for name, entry in summary.items():
                 data = entry["workloads"].get(workload.name, {})
                 if tracking.PREFIX_CACHE_TTFT_SPEEDUP in data:
-                    lines.append(f"  {name:10s} prefix cache: hit rate "
-                                 f"{data[tracking.PREFIX_CACHE_HIT_RATE]:.1%}, TTFT "
-                                 f"{data[tracking.PREFIX_CACHE_TTFT_SPEEDUP]:.2f}x faster "
-                                 "than with caching off")
+                    allowed = data.get(tracking.PREFIX_CACHE_EXPECTED_HIT_RATE, 0.0)
+                    lines.append(
+                        f"  {name:10s} prefix cache: hit rate "
+                        f"{data[tracking.PREFIX_CACHE_HIT_RATE]:.1%} of prompt tokens (the "
+                        f"shared prefix allows {allowed:.1%}), TTFT p50 "
+                        f"{data[tracking.PREFIX_CACHE_TTFT_SPEEDUP]:.2f}x faster than with "
+                        "caching off")
+    if pairing_text:
+        lines.append(f"\nspeedup: median of the per-repeat ratios [min-max], {pairing_text}")
     return "\n".join(lines)
 
 
@@ -514,7 +590,8 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
           pool: ServerPool | None = None) -> dict[str, Any]:
     """Measure the baseline and the variants; returns the summary (also on disk and MLflow).
 
-    With a ``pool``, the servers (prefix caching on) stay up in it for the next stage.
+    With a ``pool``, the servers of the speed sweeps (prefix caching off) stay up in it for
+    the next stage.
     """
     from pipeline.serve import serve_target
 
@@ -541,24 +618,30 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
         records = {m.name: ModelRecord(m) for m in models}
         if not force:
             _recall_unsupported(records)
-        groups = [models] if target == "cpu" else [[m] for m in models]
+        # On a CPU host every server is up at once and the models alternate run by run
+        # (interleaved: drift cancels out of the speedup); on a GPU each model has the device
+        # to itself in turn, so the repeats of one model run back to back (sequential).
+        def groups(ms: list[Model]) -> list[list[Model]]:
+            return ([ms] if ms else []) if target == "cpu" else [[m] for m in ms]
+
         # Server logs live outside the temp dir: a failed run's logs stay where errors point.
         logs = out.parent / "logs" / key
+        cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
         with atomic_dir(out) as tmp:
-            _measure(groups, loads, records, settings, tmp, logs, caching=True, pool=pool)
-            off = [w for w in loads if w.compare_prefix_caching]
-            if off:
-                off_models = [m for m in models if any(w.runs_off(m.name) for w in off)]
-                off_groups = [off_models] if target == "cpu" else [[m] for m in off_models]
-                _measure(off_groups, loads, records, settings, tmp, logs, caching=False)
+            _measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)]), cold,
+                     records, settings, tmp, logs, caching=False, pool=pool)
+            _measure(groups([m for m in models if any(s.runs_on(m.name) for s in warm)]), warm,
+                     records, settings, tmp, logs, caching=True)
             summary = summarize(records, loads)
             (tmp / "summary.json").write_text(json.dumps(
                 {"baseline": base.name, "target": target, "engine": dataclasses.asdict(settings),
-                 "hardware": hardware.profile().as_dict(),
+                 "hardware": hardware.profile().as_dict(), "key": key,
+                 "measured": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "speedup_pairing": pairing(target),
                  "workloads": [str(w.path) for w in loads],
                  "headline": {w.name: w.headline for w in loads},
                  "models": summary}, indent=2))
-    print(format_table(summary, loads))
+    print(format_table(summary, loads, pairing(target)))
     if not reused or not tracking.find_run(base.name, STAGE, key):
         _log(base, summary, loads, settings, key, out, target)
         print(f"[bench] recorded in MLflow ({paths.default_tracking_uri()})")

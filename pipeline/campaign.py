@@ -66,11 +66,13 @@ class Campaign:
     limit: int | None = None
     backend: str = "auto"  # eval: auto (served where vLLM serves the format), served, hf
     divergence: bool = True
+    objective: str = "speed"  # what the recommendation optimises: speed | memory | capacity
     plan: compare.PlanTarget = field(default_factory=compare.PlanTarget)
 
 
 FIELDS = {"description": str, "recipes": list, "workloads": list, "repeats": int,
-          "suites": list, "limit": int, "backend": str, "divergence": bool, "plan": dict}
+          "suites": list, "limit": int, "backend": str, "divergence": bool, "plan": dict,
+          "objective": str}
 PLAN_FIELDS = {"gpu": str, "context": int, "max_context": int, "memory_gb": (int, float)}
 
 
@@ -94,6 +96,9 @@ def load(name_or_path: str) -> Campaign:
     plan = values.pop("plan", {}) or {}
     for key, value in plan.items():
         _check(path, f"plan.{key}", value, PLAN_FIELDS)
+    if values.get("objective", "speed") not in compare.OBJECTIVES:
+        raise ConfigError(f"{path}: objective {values['objective']!r} is not one of "
+                          f"{', '.join(compare.OBJECTIVES)}.")
     return Campaign(name=path.stem, path=path, plan=compare.PlanTarget(**plan), **values)
 
 
@@ -378,7 +383,10 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
                            "load_point": comparison.load_point or "-",
                            "plan_target": comparison.plan_target.gpu,
                            "plan_context": comparison.plan_target.context,
-                           "plan_max_context": comparison.plan_target.max_context})
+                           "plan_max_context": comparison.plan_target.max_context,
+                           "objective": comparison.objective,
+                           "measurement": comparison.measurement.get("run", "-"),
+                           "speedup_pairing": comparison.measurement.get("pairing", "-")[:500]})
         for path in files:
             mlflow.log_artifact(str(path))
         for row in comparison.rows:
@@ -395,6 +403,9 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
                     params["recovery_threshold_pct"] = row.threshold
                 if row.serving_reason:
                     params["serving_reason"] = row.serving_reason[:500]
+                if row.measurement:
+                    params["measurement"] = row.measurement
+                    params["comparable"] = row.comparable
                 mlflow.log_params(params)
                 mlflow.log_metrics(child_metrics(row))
         return parent.info.run_id
@@ -402,9 +413,9 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
 
 def compare_and_log(base: baselines.Baseline, recipes: list[str] | None,
                     target: compare.PlanTarget, campaign: Campaign | None = None,
-                    track: bool = True, failures: list[dict[str, str]] | None = None
-                    ) -> tuple[compare.Comparison, list[Path]]:
-    comparison = compare.collect(base, recipes, target, failures)
+                    track: bool = True, failures: list[dict[str, str]] | None = None,
+                    objective: str = "speed") -> tuple[compare.Comparison, list[Path]]:
+    comparison = compare.collect(base, recipes, target, failures, objective)
     meta = run_meta(comparison, campaign)
     out = paths.artifacts_dir() / "reports" / base.name
     files = report.write(comparison, out, meta)
@@ -429,6 +440,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, help="tokens reserved per request, worst case")
     parser.add_argument("--memory-gb", type=float, help="accelerator memory instead of --gpu")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--objective", choices=compare.OBJECTIVES,
+                        help="what the recommendation optimises (default: the campaign's, "
+                             "speed): the fastest passing variant faster than the baseline, "
+                             "the smallest, or the one holding the most requests at the plan "
+                             "target")
 
 
 def _target(args: argparse.Namespace, campaign: Campaign) -> compare.PlanTarget:
@@ -443,7 +459,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_track:
         tracking.check_store()
     base = baselines.resolve(args.baseline)
-    compare_and_log(base, args.recipe, _target(args, campaign), None, not args.no_track)
+    compare_and_log(base, args.recipe, _target(args, campaign), None, not args.no_track,
+                    objective=args.objective or campaign.objective)
     return 0
 
 
@@ -484,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
     recipes = [r for r in list(campaign.recipes) or paths.yaml_names(paths.RECIPES_DIR)
                if r not in lost]
     comparison, _ = compare_and_log(base, recipes, campaign.plan, campaign, not args.no_track,
-                                    failures)
+                                    failures, args.objective or campaign.objective)
     took = jobs.clock(time.monotonic() - started)
     if comparison.failures:
         raise CampaignIncomplete(

@@ -23,7 +23,7 @@ from typing import Any
 from pipeline import baseline as baselines
 from pipeline import capacity, checkpoint, evaluate, gate, paths, tracking
 from pipeline.accelerators import get_accelerator
-from pipeline.errors import PlanError
+from pipeline.errors import ConfigError, PlanError
 from pipeline.fsutil import read_json
 
 BASELINE = "baseline"
@@ -86,6 +86,9 @@ class Row:
     gate_status: str = gate.NOT_EVALUATED
     gate_reason: str = ""
     notes: list[str] = field(default_factory=list)
+    measurement: str = ""  # the bench run (its key) the speed figures come from
+    comparable: bool = True  # measured in the comparison's reference run: same baseline run,
+    # workload and load point as every other comparable row
 
     @property
     def speedup(self) -> float | None:
@@ -93,10 +96,12 @@ class Row:
 
     def served_concurrency(self, context: int) -> int | None:
         """Requests of ``context`` tokens the served engine's KV cache holds at once (paged)."""
-        tokens, block = self.kv.get(tracking.KV_CACHE_TOKENS), self.kv.get("kv_block_size", 16)
-        if not tokens:
+        tokens = self.kv.get(tracking.KV_CACHE_TOKENS)
+        block = int(self.kv.get("kv_block_size") or 0)  # 0: read from the log, size unknown
+        if not tokens or context <= 0:
             return None
-        return int(tokens // (-(-context // int(block)) * int(block)))
+        per_request = -(-context // block) * block if block > 0 else context
+        return int(tokens // per_request)
 
     @property
     def figures_from(self) -> str:
@@ -119,6 +124,8 @@ class Comparison:
     # what failed for a reason other than a hardware limit: {variant, stage, reason, log}
     failures: list[dict[str, str]] = field(default_factory=list)
     hardware: str = ""  # where the bench figures were measured (the machine's profile)
+    measurement: dict[str, str] = field(default_factory=dict)  # the reference bench run
+    objective: str = "speed"
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -136,13 +143,43 @@ def _bench_entries(base_name: str) -> list[tuple[Path, dict[str, Any]]]:
     return [(p, read_json(p)) for p in found]
 
 
+def _holds(summary: dict[str, Any], name: str, identity: str) -> dict[str, Any] | None:
+    entry = summary.get("models", {}).get(name)
+    return entry if entry and entry.get("identity") == identity else None
+
+
+def reference_run(summaries: list[tuple[Path, dict[str, Any]]], identities: dict[str, str],
+                  hardware_key: str) -> tuple[Path, dict[str, Any]] | None:
+    """The bench run the comparison is made from: of the runs that served this baseline, the
+    one on this machine's hardware that measured most of the current variants (the newest on
+    a tie). Every speedup compared comes from it: one baseline run, one workload, one load
+    point."""
+    ranked = []
+    for age, (path, summary) in enumerate(summaries):  # newest first
+        base = _holds(summary, BASELINE, identities[BASELINE])
+        if not base or base.get("status") != "ok":
+            continue
+        covered = sum(bool(_holds(summary, n, i)) for n, i in identities.items())
+        same_hw = summary.get("hardware", {}).get("key") == hardware_key
+        ranked.append(((same_hw, covered, -age), path, summary))
+    if not ranked:
+        return None
+    _, path, summary = max(ranked, key=lambda r: r[0])
+    return path, summary
+
+
 def _bench_for(row: Row, identity: str, summaries: list[tuple[Path, dict[str, Any]]]
                ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     for path, summary in summaries:
-        entry = summary.get("models", {}).get(row.name)
-        if entry and entry.get("identity") == identity:
+        entry = _holds(summary, row.name, identity)
+        if entry:
             return path, summary, entry
     return None
+
+
+def measurement_label(path: Path, summary: dict[str, Any]) -> str:
+    return f"bench {path.parent.name}" + (f" ({summary['measured']})"
+                                          if summary.get("measured") else "")
 
 
 def _apply_bench(row: Row, summary: dict[str, Any], entry: dict[str, Any]) -> tuple[str, int]:
@@ -162,22 +199,30 @@ def _apply_bench(row: Row, summary: dict[str, Any], entry: dict[str, Any]) -> tu
     for name in workloads[1:]:
         other = entry.get("workloads", {}).get(name, {})
         if tracking.PREFIX_CACHE_TTFT_SPEEDUP in other:
-            row.prefix = {tracking.PREFIX_CACHE_HIT_RATE: other[tracking.PREFIX_CACHE_HIT_RATE],
-                          tracking.PREFIX_CACHE_TTFT_SPEEDUP:
-                              other[tracking.PREFIX_CACHE_TTFT_SPEEDUP]}
+            row.prefix = {k: other[k] for k in (tracking.PREFIX_CACHE_HIT_RATE,
+                                                tracking.PREFIX_CACHE_EXPECTED_HIT_RATE,
+                                                tracking.PREFIX_CACHE_TTFT_SPEEDUP) if k in other}
     return first, head or 0
 
 
-def _apply_eval(row: Row, summary: dict[str, Any], base_name: str) -> None:
-    row.tasks = summary.get("tasks", {})
-    row.suites = {k: v for k, v in summary.get("suites", {}).items() if k != "*"}
-    backends = {t.get("backend") for t in row.tasks.values()}
+def _apply_eval(row: Row, summary: dict[str, Any], base: baselines.Baseline,
+                identity: str) -> None:
+    """The variant's current task results (this checkpoint, baseline and task files), its
+    suite figures and the gate's verdict on them; stale results are named, never used."""
+    entries, stale = gate.current_tasks(summary, identity, base.identity)
+    row.tasks = entries
+    row.suites = gate.suite_figures(entries)
+    backends = {t.get("backend") for t in entries.values()}
     row.eval_backend = EMULATED if EMULATED in backends else (SERVED if backends else None)
-    row.divergence = {k: v for k, v in summary.get("divergence", {}).items()
-                      if isinstance(v, (int, float))}
-    row.threshold = gate.threshold_of(row.recipe, paths.variant_dir(base_name, row.recipe))
-    verdict = gate.judge(summary, row.recipe, row.threshold)
+    div = summary.get("divergence", {})
+    if div.get("identity") == identity:
+        row.divergence = {k: v for k, v in div.items() if isinstance(v, (int, float))}
+    row.threshold = gate.threshold_of(row.recipe, paths.variant_dir(base.name, row.recipe))
+    verdict = gate.judge(entries, row.recipe, row.threshold, stale=stale)
     row.gate_status, row.gate_reason = verdict.status, verdict.reason()
+    if stale:
+        row.notes.append("eval: not judged, stale: " + "; ".join(stale)
+                         + f" (make eval RECIPE={row.name})")
 
 
 def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget, group_size: int) -> None:
@@ -196,9 +241,13 @@ def _group_size(scheme: str) -> int:
 
 def collect(base: baselines.Baseline, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
-            failures: list[dict[str, str]] | None = None) -> Comparison:
+            failures: list[dict[str, str]] | None = None, objective: str = "speed"
+            ) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
     campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)} "
+                          "(OBJECTIVE= in make, --objective in the CLI).")
 
     target = target or PlanTarget()
     base_bytes = checkpoint.measure(base.path).weight_bytes
@@ -214,16 +263,37 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
 
     config = json.loads((base.path / "config.json").read_text())
     summaries = _bench_entries(base.name)
-    workload, load_point, sources, measured_on = "", None, {}, ""
+    from pipeline import hardware
+
+    reference = reference_run(summaries, identities, hardware.profile().key())
+    workload, load_point, sources = "", None, {}
+    measurement: dict[str, str] = {}
+    if reference is not None:
+        ref_path, ref = reference
+        measurement = {"run": measurement_label(ref_path, ref), "path": str(ref_path),
+                       "hardware": ref.get("hardware", {}).get("summary", "unknown"),
+                       "pairing": ref.get("speedup_pairing", "")}
     failed = list(failures or [])
     for row in rows:
         _apply_plan(row, config, target, _group_size(row.scheme))
-        found = _bench_for(row, identities[row.name], summaries)
+        in_reference = reference is not None and _holds(reference[1], row.name,
+                                                        identities[row.name])
+        found = (reference[0], reference[1], in_reference) if in_reference else \
+            _bench_for(row, identities[row.name], summaries)
         if found:
             path, summary, entry = found
-            workload, load_point = _apply_bench(row, summary, entry)
+            head_workload, head_point = _apply_bench(row, summary, entry)
+            row.measurement = measurement_label(path, summary)
             sources[f"bench:{row.name}"] = str(path)
-            measured_on = summary.get("hardware", {}).get("summary", measured_on)
+            if in_reference:
+                workload, load_point = head_workload, head_point
+            else:
+                row.comparable = False
+                row.notes.append(
+                    f"speed from another measurement ({row.measurement}) than the comparison's "
+                    f"({measurement.get('run', 'none')}): its speedup is against another "
+                    "baseline run, so it is shown but not compared or recommended; "
+                    f"`make bench` measures every variant in one run")
             if row.serving == "failed":
                 failed.append({"variant": row.name, "stage": "bench",
                                "reason": row.serving_reason, "log": row.serving_log})
@@ -237,20 +307,40 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
             row.gate_reason = f"its last evaluation failed: {eval_failed.get('reason', '?')}"
             failed.append({"variant": row.name, "stage": "eval",
                            "reason": eval_failed.get("reason", "?"), "log": ""})
-        elif evaluated.get("identity") == identities[row.name]:
-            _apply_eval(row, evaluated, base.name)
-            sources[f"eval:{row.name}"] = str(summary_path)
         elif evaluated:
-            row.notes.append("eval: the evaluation on disk is of an older checkpoint; run "
-                             f"`make eval RECIPE={row.name}`")
-    best, reason = recommend(rows)
+            _apply_eval(row, evaluated, base, identities[row.name])
+            sources[f"eval:{row.name}"] = str(summary_path)
+    best, reason = recommend(rows, objective)
     return Comparison(base.name, rows, workload, load_point, target, best, reason, sources,
-                      failed, measured_on)
+                      failed, measurement.get("hardware", ""), measurement, objective)
 
 
 # --- the verdict -------------------------------------------------------------------------------
-def recommend(rows: list[Row]) -> tuple[str | None, str]:
-    """The fastest variant whose recovery clears its gate on every suite; else why none does."""
+OBJECTIVES = ("speed", "memory", "capacity")
+OBJECTIVE_TEXT = {
+    "speed": "the fastest variant that passes its gate and is faster than the baseline in "
+             "every repeat",
+    "memory": "the variant with the smallest weights that passes its gate",
+    "capacity": "the variant that holds the most concurrent requests at the plan target and "
+                "passes its gate",
+}
+
+
+def _suites_text(row: Row) -> str:
+    return ", ".join(f"{s} {v['recovery_pct']:.1f}% [{v['ci_low']:.1f}, {v['ci_high']:.1f}]"
+                     for s, v in sorted(row.suites.items()) if v.get("recovery_pct") is not None)
+
+
+def _speed_text(row: Row) -> str:
+    h = row.headline
+    return (f"{h[tracking.SPEEDUP]:.2f}x [{h[tracking.SPEEDUP + '_min']:.2f}-"
+            f"{h[tracking.SPEEDUP + '_max']:.2f}]")
+
+
+def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, str]:
+    """The variant that best meets ``objective`` among those that pass their gate on every
+    suite, were served here and were measured in the comparison's reference run; else why
+    none does, variant by variant."""
     eligible, why_not = [], []
     for row in rows:
         if row.name == BASELINE:
@@ -259,23 +349,40 @@ def recommend(rows: list[Row]) -> tuple[str | None, str]:
             detail = f": {row.gate_reason}" if row.gate_reason else ""
             why_not.append(f"{row.name}: gate {row.gate_status}{detail}")
         elif row.serving == "failed":
-            why_not.append(f"{row.name}: clears its gate but failed while served "
+            why_not.append(f"{row.name}: passes its gate but failed while served "
                            f"({row.serving_reason})")
         elif row.serving != "ok" or row.speedup is None:
             why = row.serving_reason or "its speed was not measured (make bench)"
-            why_not.append(f"{row.name}: clears its gate but was not served here ({why})")
+            why_not.append(f"{row.name}: passes its gate but was not served here ({why})")
+        elif not row.comparable:
+            why_not.append(f"{row.name}: passes its gate but its speed is from another "
+                           f"measurement ({row.measurement})")
+        elif objective == "speed" and row.headline.get(tracking.SPEEDUP + "_max", 0) < 1:
+            why_not.append(f"{row.name}: passes its gate but is slower than the baseline "
+                           f"({_speed_text(row)})")
+        elif objective == "speed" and row.headline.get(tracking.SPEEDUP + "_min", 0) <= 1:
+            why_not.append(f"{row.name}: passes its gate but is not shown faster than the "
+                           f"baseline: its speedup {_speed_text(row)} straddles 1")
         else:
             eligible.append(row)
     if not eligible:
-        return None, "no variant both clears its gate on every suite and was served: " + (
-            "; ".join(why_not) if why_not else "no variant on disk (make quantize)")
-    best = max(eligible, key=lambda r: r.speedup or 0.0)
-    suites = ", ".join(f"{s} {v['recovery_pct']:.1f}% [{v['ci_low']:.1f}, {v['ci_high']:.1f}]"
-                       for s, v in sorted(best.suites.items())
-                       if v.get("recovery_pct") is not None)
-    reason = (f"{best.name}: {best.speedup:.2f}x the baseline's throughput, "
-              f"{best.weight_ratio:.2f}x its weight memory, recovery {suites} "
-              f"(threshold {best.threshold:g}%)")
+        return None, (f"objective {objective} ({OBJECTIVE_TEXT[objective]}): no variant "
+                      "qualifies: " + ("; ".join(why_not) if why_not else
+                                       "no variant on disk (make quantize)"))
+    if objective == "speed":
+        best = max(eligible, key=lambda r: r.speedup or 0.0)
+    elif objective == "memory":
+        best = min(eligible, key=lambda r: r.weight_bytes)
+    else:
+        best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
+                                            -r.weight_bytes))
+    reason = (f"{best.name} (objective {objective}: {OBJECTIVE_TEXT[objective]}): "
+              f"{_speed_text(best)} the baseline's throughput, {best.weight_ratio:.2f}x its "
+              f"weight memory")
+    if best.plan:
+        reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
+                   "requests planned")
+    reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%)"
     if best.eval_backend == EMULATED:
         reason += " [accuracy emulated]"
     return best.name, reason

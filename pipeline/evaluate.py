@@ -308,7 +308,8 @@ def _lm(model: Model, backend: str, settings: Settings, log_dir: Path,
         from pipeline.serve import EngineSettings, VllmServer
 
         engine = EngineSettings(max_model_len=_max_model_len(model, settings))
-        running = pool.get(model.path, model.served_name, engine) if pool else None
+        running = pool.get(model.path, model.served_name, engine, any_caching=True) \
+            if pool else None
         if running is not None:
             print(f"[eval] {model.label}: scoring through the running vLLM server "
                   f"({running.base_url})", flush=True)
@@ -418,9 +419,11 @@ def primary_key(task: suites.Task, result: TaskResult) -> str:
     return next(iter(result.per_item), task.primary_metric)
 
 
-def suite_figures(tasks: list[suites.Task], base: dict[str, TaskResult],
-                  var: dict[str, TaskResult]) -> dict[str, recovery.SuiteRecovery]:
-    """Suite -> mean of its tasks' recoveries (primary metric), and ``*`` for all of them."""
+def suite_figures(tasks: list[suites.Task],
+                  recoveries: dict[str, dict[str, recovery.Recovery]]
+                  ) -> dict[str, recovery.SuiteRecovery]:
+    """Suite -> mean of its tasks' recoveries (primary metric, MOVER interval), and ``*`` for
+    all of them when there are several suites."""
     groups: dict[str, list[suites.Task]] = {}
     for task in tasks:
         groups.setdefault(task.suite, []).append(task)
@@ -428,16 +431,14 @@ def suite_figures(tasks: list[suites.Task], base: dict[str, TaskResult],
         groups["*"] = tasks
     out = {}
     for suite, members in groups.items():
-        pairs, chances = {}, {}
+        chosen = {}
         for task in members:
-            key = primary_key(task, base[task.name])
-            b_items, v_items = base[task.name].per_item.get(key, {}), var[task.name].per_item.get(
-                key, {})
-            ids = sorted(set(b_items) & set(v_items), key=int)
-            if ids:
-                pairs[task.name] = ([b_items[i] for i in ids], [v_items[i] for i in ids])
-                chances[task.name] = base[task.name].chance.get(key, 0.0)
-        out[suite] = recovery.suite_recovery(pairs, chances)
+            by_key = recoveries.get(task.name, {})
+            key = task.primary_metric if task.primary_metric in by_key else next(iter(by_key),
+                                                                                 None)
+            if key is not None:
+                chosen[task.name] = by_key[key]
+        out[suite] = recovery.suite_from_tasks(chosen)
     return out
 
 
@@ -455,7 +456,7 @@ def print_report(model: Model, backend: str, tasks: list[suites.Task],
     mark = " [emulated: hf backend, de-compressed weights]" if backend == EMULATED else ""
     print(f"\n{model.label} vs baseline, both {backend}{mark}")
     print(f"  {'task':14s} {'metric':28s} {'base':>6s} {'variant':>7s} {'recovery':>9s} "
-          f"{'95% CI':>15s} {'flips':>9s}")
+          f"{'95% CI':>15s} {'flips':>9s} {'n certifies':>11s}")
     for task in tasks:
         for key, r in recoveries[task.name].items():
             if r.meaningful:
@@ -464,8 +465,9 @@ def print_report(model: Model, backend: str, tasks: list[suites.Task],
             else:
                 rec, ci = "not meaningful", f"(chance {r.chance:.2f})"
             flips = f"{r.flips}/{r.n}"
+            best = f"{_fmt(r.certifiable_pct)}%" if r.meaningful else "-"
             print(f"  {task.name:14s} {key:28s} {r.baseline_score:6.3f} {r.variant_score:7.3f} "
-                  f"{rec:>9s} {ci:>15s} {flips:>9s}")
+                  f"{rec:>9s} {ci:>15s} {flips:>9s} {best:>9s}")
     for suite, fig in figures.items():
         name = "all suites" if suite == "*" else f"suite {suite}"
         if fig.recovery_pct is None:
@@ -474,6 +476,7 @@ def print_report(model: Model, backend: str, tasks: list[suites.Task],
             skipped = f"; not meaningful: {', '.join(fig.skipped)}" if fig.skipped else ""
             print(f"  {name}: {_fmt(fig.recovery_pct)}% [{_fmt(fig.ci_low)}, "
                   f"{_fmt(fig.ci_high)}] = mean of the recoveries of {', '.join(fig.tasks)}"
+                  f" ({fig.items} items can certify at best {_fmt(fig.certifiable_pct)}%)"
                   f"{skipped}")
     if div is not None:
         print(f"  held-out text ({div.tokens} tokens, {divergence.BACKEND}): KL "
@@ -481,26 +484,34 @@ def print_report(model: Model, backend: str, tasks: list[suites.Task],
               f"perplexity {div.perplexity:.2f} (baseline {div.baseline_perplexity:.2f})")
 
 
-def write_summary(base_name: str, model: Model, backend: str, tasks: list[suites.Task],
-                  recoveries: dict[str, dict[str, recovery.Recovery]],
-                  results: dict[str, TaskResult], figures: dict[str, recovery.SuiteRecovery],
-                  div: divergence.Divergence | None) -> Path:
-    """Merge this run into ``artifacts/evals/<baseline>/<recipe>/recovery.json`` (gate's input)."""
-    target = cache_root(base_name) / model.label / SUMMARY_FILE
-    summary = read_json(target) or {"baseline": base_name, "recipe": model.recipe, "tasks": {}}
+def write_summary(base: baselines.Baseline, model: Model, backend: str,
+                  tasks: list[suites.Task], recoveries: dict[str, dict[str, recovery.Recovery]],
+                  results: dict[str, TaskResult], div: divergence.Divergence | None) -> Path:
+    """This run's tasks into ``artifacts/evals/<baseline>/<recipe>/recovery.json`` (the gate's
+    input). Each task carries what it was scored on (checkpoint, baseline, task file, backend,
+    settings): results of an older checkpoint are dropped here, and the gate judges only those
+    that are still current. Suite figures are computed from the tasks when read."""
+    target = cache_root(base.name) / model.label / SUMMARY_FILE
+    old = read_json(target)
+    kept = {name: entry for name, entry in old.get("tasks", {}).items()
+            if entry.get("identity") == model.identity}
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for task in tasks:
         key = primary_key(task, results[task.name])
-        summary["tasks"][task.name] = {
+        kept[task.name] = {
             "suite": task.suite, "backend": backend, "primary_metric": key, "updated": now,
-            "settings": results[task.name].settings, "command": results[task.name].command,
+            "identity": model.identity, "baseline_identity": base.identity,
+            "task_sha": task.sha256, "settings": results[task.name].settings,
+            "command": results[task.name].command,
             "recovery": {k: r.as_dict() for k, r in recoveries[task.name].items()}}
-    summary["suites"] = {**summary.get("suites", {}),
-                         **{s: {**f.as_dict(), "backend": backend} for s, f in figures.items()}}
+    summary: dict[str, Any] = {"baseline": base.name, "recipe": model.recipe,
+                               "identity": model.identity, "tasks": kept,
+                               "hardware": hardware.profile().as_dict()}
     if div is not None:
-        summary["divergence"] = {**div.as_dict(), "backend": divergence.BACKEND}
-    summary["identity"] = model.identity
-    summary["hardware"] = hardware.profile().as_dict()
+        summary["divergence"] = {**div.as_dict(), "backend": divergence.BACKEND,
+                                 "identity": model.identity}
+    elif old.get("divergence", {}).get("identity") == model.identity:
+        summary["divergence"] = old["divergence"]
     write_json_atomic(target, summary)
     (target.parent / FAILURE_FILE).unlink(missing_ok=True)
     return target
@@ -619,9 +630,9 @@ def resolve_tasks(suite_names: list[str] | None, task_names: list[str] | None) -
         if name in local:
             out.append(local[name])
         else:
-            sha = hashlib.sha256(f"{name}@{metadata.version('lm_eval')}".encode()).hexdigest()[:16]
             out.append(suites.Task(name=name, suite="lm-eval", path=Path(), config={},
-                                   data_files={}, sha256=sha, default_limit=None,
+                                   data_files={}, sha256=suites.builtin_task_sha(name),
+                                   default_limit=None,
                                    primary_metric=""))
     return out
 
@@ -691,11 +702,10 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
     for model in variants:
         backend, results = scored[model.label]
         recoveries = compare(tasks, base_results[backend], results)
-        figures = suite_figures(tasks, base_results[backend], results)
+        figures = suite_figures(tasks, recoveries)
         div = divs.get(model.path)
         print_report(model, backend, tasks, recoveries, figures, div)
-        summary = write_summary(base.name, model, backend, tasks, recoveries, results, figures,
-                                div)
+        summary = write_summary(base, model, backend, tasks, recoveries, results, div)
         if track:
             log_mlflow(base, model, backend, tasks, results, recoveries, figures, div, summary,
                        settings)

@@ -1,19 +1,25 @@
-"""The recovery gate: a variant's recovery intervals must clear its recipe's threshold.
+"""The recovery gate: a variant passes only where its evidence certifies its recipe's threshold.
 
-From the last ``qpipe eval`` (``artifacts/evals/<baseline>/<recipe>/recovery.json``), the 95%
-interval of each suite's recovery (the mean of its tasks' recoveries; ``--level task``: each
-task's own interval) is compared with the recipe's ``recovery_threshold_pct``:
+From the last ``qpipe eval`` (``artifacts/evals/<baseline>/<recipe>/recovery.json``), only the
+task results that are current count: scored on this very checkpoint, against this baseline,
+with the task file and data as they are now (anything else is listed as stale, never judged).
+Each suite's figure is the mean of its meaningful tasks' recoveries with a MOVER interval
+(:mod:`pipeline.recovery`), computed here from those task results; ``--level task`` judges each
+task's own interval. Against the recipe's ``recovery_threshold_pct``:
 
-- pass: the lower end clears the threshold;
-- fail: even the upper end is below it, the variant is worse than allowed;
-- inconclusive: the interval straddles it, too few items to tell. The gate does not pass it:
-  add items to the suite (the interval narrows with the square root of their number) or lower
-  the threshold knowingly.
+- pass: the lower end of the 95% interval clears the threshold (and, for a suite, no
+  meaningful task's upper end is below it: one task's noise above 100% cannot hide another's
+  real loss);
+- fail: the upper end (of the suite, or of any meaningful task in it) is below the threshold;
+- inconclusive: the interval straddles the threshold. The verdict says how many items were
+  judged and the best recovery they can certify for a variant that answers every item as the
+  baseline does ("131 items can certify at best 96.9%"); when that is below the threshold it
+  says about how many items would certify it;
+- not meaningful: no task of the suite (or the variant) has a baseline clear of chance, so
+  there is nothing to judge.
 
-The suite is the default unit because a ~100-item task alone gives an interval of about +-3
-points, wider than a 99% threshold can be judged with; a suite pools its tasks' items. Tasks or
-suites whose baseline is within noise of chance cannot pass or fail and are listed as such; a
-variant with nothing meaningful fails.
+A variant passes when every meaningful suite passes; it fails when one fails; it is not
+meaningful when no suite is. ``make gate`` exits 0 only when every variant judged passes.
 """
 
 from __future__ import annotations
@@ -21,18 +27,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline import baseline as baselines
-from pipeline import evaluate, paths, recipes
+from pipeline import checkpoint, evaluate, paths, recipes, recovery, suites
 from pipeline.errors import ConfigError, QpipeError, RecipeError
 from pipeline.fsutil import read_json
 
 LEVELS = ("suite", "task")
-PASS, FAIL, INCONCLUSIVE, NOT_EVALUATED = "pass", "fail", "inconclusive", "not evaluated"
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+NOT_MEANINGFUL, NOT_EVALUATED = "not meaningful", "not evaluated"
 
 
 class GateFailed(QpipeError):
-    """A variant's recovery falls below its recipe's threshold."""
+    """A variant's recovery is not shown to clear its recipe's threshold."""
 
     exit_code = 1
 
@@ -46,16 +54,19 @@ class Verdict:
     skipped: list[str]  # not meaningful
     inconclusive: list[str] = field(default_factory=list)
     level: str = "suite"
+    stale: list[str] = field(default_factory=list)  # results not judged, and why
 
     @property
     def ok(self) -> bool:
-        return not self.failed and not self.inconclusive and bool(self.passed)
+        return self.status == PASS
 
     @property
     def status(self) -> str:
         if self.failed:
             return FAIL
-        return PASS if self.ok else INCONCLUSIVE
+        if self.inconclusive:
+            return INCONCLUSIVE
+        return PASS if self.passed else (NOT_MEANINGFUL if self.skipped else NOT_EVALUATED)
 
     def reason(self) -> str:
         """One line: why the variant did not pass (empty when it did)."""
@@ -63,9 +74,12 @@ class Verdict:
             return "; ".join(self.failed)
         if self.inconclusive:
             return "; ".join(self.inconclusive)
-        if not self.passed:
+        if self.skipped and not self.passed:
             return ("no suite or task where the baseline is above chance, so recovery cannot be "
                     "judged; evaluate a suite where it is (e.g. SUITE=app)")
+        if not self.passed:
+            why = f" ({'; '.join(self.stale)})" if self.stale else ""
+            return f"no current evaluation{why}: run `make eval RECIPE={self.recipe}`"
         return ""
 
 
@@ -86,87 +100,163 @@ def threshold_of(recipe: str, variant_dir: Path, override: float | None = None) 
         "`qpipe:` in the recipe, or pass --threshold.")
 
 
-def _sort(line: str, low: float, high: float, threshold: float, out: dict[str, list[str]]
-          ) -> None:
+# --- what is current ----------------------------------------------------------------------------
+def _task_shas() -> dict[str, str]:
+    return {t.name: t.sha256 for ts in suites.discover().values() for t in ts}
+
+
+def current_tasks(summary: dict[str, Any], identity: str, baseline_identity: str | None = None
+                  ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(task -> entry) of the results scored on this checkpoint, against this baseline, with the
+    task as it is now; and one line per result left out, saying why."""
+    shas = _task_shas()
+    current, stale = {}, []
+    for name, entry in sorted(summary.get("tasks", {}).items()):
+        if entry.get("identity") != identity:
+            stale.append(f"{name}: scored on another checkpoint of this variant")
+        elif baseline_identity and entry.get("baseline_identity") != baseline_identity:
+            stale.append(f"{name}: scored against another baseline")
+        elif entry.get("task_sha") != (shas.get(name) or suites.builtin_task_sha(name)):
+            stale.append(f"{name}: its task file or data changed since it was scored")
+        else:
+            current[name] = entry
+    return current, stale
+
+
+def primary(entry: dict[str, Any]) -> dict[str, Any] | None:
+    return entry.get("recovery", {}).get(entry.get("primary_metric"))
+
+
+def suite_figures(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Suite -> its figure (``SuiteRecovery.as_dict()`` + backend), from current task entries."""
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, entry in entries.items():
+        r = primary(entry)
+        if r is not None:
+            groups.setdefault(entry.get("suite", "-"), {})[name] = entry
+    out = {}
+    for suite, members in sorted(groups.items()):
+        fig = recovery.suite_from_tasks({n: primary(e) for n, e in members.items()}).as_dict()
+        backends = {e.get("backend") for e in members.values()}
+        fig["backend"] = evaluate.EMULATED if evaluate.EMULATED in backends else evaluate.SERVED
+        out[suite] = fig
+    return out
+
+
+# --- judging ------------------------------------------------------------------------------------
+def _certify(items: int, best: float | None, threshold: float, base_score: float | None) -> str:
+    """What these items can show at best: the lower end if the variant answered every item as
+    the baseline did (only gains can lift a result above it)."""
+    if best is None:
+        return ""
+    if best < threshold:
+        need = recovery.items_needed(threshold, base_score) if base_score else None
+        more = f"; about {need:,} items would" if need else ""
+        return (f"; {items} items can certify at best {best:.1f}% (a variant answering every "
+                f"item as the baseline does), below the threshold{more}, or lower the "
+                "threshold knowingly")
+    return (f"; {items} items can certify up to {best:.1f}%: too few to tell at this many "
+            "flips, add items to narrow the interval")
+
+
+def _sort(line: str, low: float, high: float, threshold: float, out: dict[str, list[str]],
+          certify: str) -> None:
     if low >= threshold:
         out["passed"].append(line)
     elif high < threshold:
         out["failed"].append(f"{line}; upper end {high:.1f} < threshold {threshold:g}")
     else:
         out["inconclusive"].append(
-            f"{line}; lower end {low:.1f} < threshold {threshold:g} <= upper end {high:.1f}: "
-            "too few items to tell, add items to narrow the interval")
+            f"{line}; lower end {low:.1f} < threshold {threshold:g} <= upper end {high:.1f}"
+            + certify)
 
 
-def _judge_tasks(summary: dict, threshold: float, out: dict[str, list[str]]) -> None:
-    for task, entry in sorted(summary.get("tasks", {}).items()):
-        r = entry["recovery"].get(entry["primary_metric"])
+def _mark(backend: str | None) -> str:
+    return " [emulated]" if backend == evaluate.EMULATED else ""
+
+
+def _judge_tasks(entries: dict[str, dict[str, Any]], threshold: float,
+                 out: dict[str, list[str]]) -> None:
+    for task, entry in sorted(entries.items()):
+        r = primary(entry)
         if r is None:
             continue
-        mark = " [emulated]" if entry.get("backend") == evaluate.EMULATED else ""
         if not r["meaningful"] or r["recovery_pct"] is None or r["ci_low"] is None:
             out["skipped"].append(
                 f"{task}: not meaningful (baseline {r['baseline_score']:.3f} is within noise "
                 f"of chance {r['chance']:.3f})")
             continue
-        line = (f"{task}{mark}: recovery {r['recovery_pct']:.1f}% [95% CI {r['ci_low']:.1f}, "
-                f"{r['ci_high']:.1f}], {r['flips']}/{r['n']} flips")
-        _sort(line, r["ci_low"], r["ci_high"], threshold, out)
+        line = (f"{task}{_mark(entry.get('backend'))}: recovery {r['recovery_pct']:.1f}% "
+                f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}], {r['flips']}/{r['n']} flips")
+        _sort(line, r["ci_low"], r["ci_high"], threshold, out,
+              _certify(r["n"], r.get("certifiable_pct"), threshold, r["baseline_score"]))
 
 
-def _judge_suites(summary: dict, threshold: float, out: dict[str, list[str]]) -> None:
-    tasks = summary.get("tasks", {})
-    for suite, fig in sorted(summary.get("suites", {}).items()):
-        if suite == "*":  # the mean over all suites: each suite is judged on its own
+def _judge_suites(entries: dict[str, dict[str, Any]], threshold: float,
+                  out: dict[str, list[str]]) -> None:
+    for suite, fig in suite_figures(entries).items():
+        mark = _mark(fig.get("backend"))
+        if fig.get("recovery_pct") is None:
+            out["skipped"].append(f"suite {suite}{mark}: not meaningful (no task above chance)")
             continue
-        mark = " [emulated]" if fig.get("backend") == evaluate.EMULATED else ""
-        if fig.get("recovery_pct") is None or fig.get("ci_low") is None:
-            out["skipped"].append(f"suite {suite}: not meaningful (no task above chance)")
-            continue
-        items = sum(next(iter(tasks[t]["recovery"].values()), {}).get("n", 0)
-                    for t in fig["tasks"] if t in tasks)
         line = (f"suite {suite}{mark}: recovery {fig['recovery_pct']:.1f}% [95% CI "
                 f"{fig['ci_low']:.1f}, {fig['ci_high']:.1f}] over {', '.join(fig['tasks'])} "
-                f"({items} items)")
-        _sort(line, fig["ci_low"], fig["ci_high"], threshold, out)
+                f"({fig['items']} items)")
+        sinking = [t for t in fig["tasks"] if primary(entries[t])["ci_high"] < threshold]
+        if sinking:
+            lows = ", ".join(f"{t} {primary(entries[t])['recovery_pct']:.1f}% [upper end "
+                             f"{primary(entries[t])['ci_high']:.1f}]" for t in sinking)
+            out["failed"].append(f"{line}; task {lows} < threshold {threshold:g}: one task's "
+                                 "loss is not averaged away")
+            continue
+        scores = [primary(entries[t]) for t in fig["tasks"]]
+        pooled = sum(r["baseline_score"] * r["n"] for r in scores) / max(fig["items"], 1)
+        _sort(line, fig["ci_low"], fig["ci_high"], threshold, out,
+              _certify(fig["items"], fig.get("certifiable_pct"), threshold, pooled))
 
 
-def judge(summary: dict, recipe: str, threshold: float, level: str = "suite") -> Verdict:
-    """Compare each suite's (or task's) interval with ``threshold``."""
+def judge(entries: dict[str, dict[str, Any]], recipe: str, threshold: float,
+          level: str = "suite", stale: list[str] | None = None) -> Verdict:
+    """Compare each suite's (or task's) interval of the current ``entries`` with ``threshold``."""
     if level not in LEVELS:
         raise ConfigError(f"gate level {level!r} is not one of {', '.join(LEVELS)}.")
     out: dict[str, list[str]] = {"passed": [], "failed": [], "inconclusive": [], "skipped": []}
-    (_judge_suites if level == "suite" else _judge_tasks)(summary, threshold, out)
+    (_judge_suites if level == "suite" else _judge_tasks)(entries, threshold, out)
     return Verdict(recipe, threshold, out["passed"], out["failed"], out["skipped"],
-                   out["inconclusive"], level)
+                   out["inconclusive"], level, list(stale or []))
 
 
-def gate(baseline_name: str, recipe_names: list[str] | None = None,
+def judge_variant(baseline: baselines.Baseline, recipe: str, threshold: float | None = None,
+                  level: str = "suite") -> Verdict:
+    """The verdict on one variant's current evaluation (a failed last evaluation fails)."""
+    root = evaluate.cache_root(baseline.name) / recipe
+    limit = threshold_of(recipe, paths.variant_dir(baseline.name, recipe), threshold)
+    manifest = checkpoint.variant_manifests(baseline.name, [recipe])[recipe]
+    failure = read_json(root / evaluate.FAILURE_FILE)
+    if failure.get("identity") == manifest["cache_key"]:
+        return Verdict(recipe, limit, [], [f"its last evaluation failed: "
+                                           f"{failure.get('reason', '?')}"], [], level=level)
+    summary = read_json(root / evaluate.SUMMARY_FILE)
+    entries, stale = current_tasks(summary, manifest["cache_key"], baseline.identity)
+    return judge(entries, recipe, limit, level, stale)
+
+
+def gate(baseline: baselines.Baseline, recipe_names: list[str] | None = None,
          threshold: float | None = None, level: str = "suite") -> list[Verdict]:
     """Judge every named variant (default: every variant with an evaluation)."""
-    root = evaluate.cache_root(baseline_name)
+    root = evaluate.cache_root(baseline.name)
     if recipe_names is None:
         recipe_names = sorted(p.parent.name for p in root.glob(f"*/{evaluate.SUMMARY_FILE}"))
         if not recipe_names:
-            raise ConfigError(f"no evaluation of a variant of {baseline_name} under {root}. Fix: "
+            raise ConfigError(f"no evaluation of a variant of {baseline.name} under {root}. Fix: "
                               "run `make eval` (or `make eval RECIPE=int4`) first.")
-    verdicts = []
     for name in recipe_names:
-        failure = read_json(root / name / evaluate.FAILURE_FILE)
-        if failure:  # the last scoring of this variant failed: nothing current to judge
-            limit = threshold_of(name, paths.variant_dir(baseline_name, name), threshold)
-            verdicts.append(Verdict(name, limit, [], [f"its last evaluation failed: "
-                                                      f"{failure.get('reason', '?')}"], [],
-                                    level=level))
-            continue
-        summary = read_json(root / name / evaluate.SUMMARY_FILE)
-        if not summary.get("tasks"):
-            raise ConfigError(f"variant {name!r} of {baseline_name} has not been evaluated "
+        if not (root / name / evaluate.SUMMARY_FILE).is_file() and not (
+                root / name / evaluate.FAILURE_FILE).is_file():
+            raise ConfigError(f"variant {name!r} of {baseline.name} has not been evaluated "
                               f"({root / name / evaluate.SUMMARY_FILE} is missing). Fix: run "
                               f"`make eval RECIPE={name}` first.")
-        limit = threshold_of(name, paths.variant_dir(baseline_name, name), threshold)
-        verdicts.append(judge(summary, name, limit, level))
-    return verdicts
+    return [judge_variant(baseline, name, threshold, level) for name in recipe_names]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,21 +270,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    name = baselines.resolve(args.baseline).name
+    base = baselines.resolve(args.baseline)
     level = getattr(args, "level", "suite")
-    verdicts = gate(name, args.recipe, args.threshold, level)
+    verdicts = gate(base, args.recipe, args.threshold, level)
     failures = []
     for v in verdicts:
         print(f"[gate] {v.recipe}: {v.status.upper()} (threshold {v.threshold:g}% on the lower "
               f"end of each {level}'s 95% interval)")
         for mark, lines in (("ok   ", v.passed), ("FAIL ", v.failed), ("?    ", v.inconclusive),
-                            ("skip ", v.skipped)):
+                            ("skip ", v.skipped), ("stale", v.stale)):
             for line in lines:
                 print(f"  {mark} {line}")
-        if v.failed or v.inconclusive:
-            failures += [f"{v.recipe}: {line}" for line in v.failed + v.inconclusive]
-        elif not v.passed:
-            failures.append(f"{v.recipe}: {v.reason()}")
+        if not v.ok:
+            failures.append(f"{v.recipe} ({v.status}): {v.reason()}")
     if failures:
         raise GateFailed("recovery not shown to clear the threshold:\n  " + "\n  ".join(failures))
     return 0

@@ -53,7 +53,8 @@ def _speed_cell(row: Row) -> str:
         return "FAILED (see notes)"
     if row.name == BASELINE:
         return "1.00x (reference)" if row.headline else "-"
-    return _spread(row.headline, tracking.SPEEDUP, "{:.2f}").replace(" [", "x [", 1)
+    cell = _spread(row.headline, tracking.SPEEDUP, "{:.2f}").replace(" [", "x [", 1)
+    return cell if row.comparable else f"{cell} (other run, not compared)"
 
 
 def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
@@ -74,7 +75,9 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             gate_cell += f" (>= {row.threshold:g}%)"
         served = {"ok": "served", "unsupported": "unsupported", "failed": "failed"}.get(
             row.serving, "not benched")
-        origin = served if row.name == BASELINE else f"speed {served}, accuracy {row.figures_from}"
+        run = row.measurement.split(" ")[1][:8] if row.measurement else ""
+        speed = f"{served} (bench {run})" if run else served
+        origin = speed if row.name == BASELINE else f"speed {speed}, accuracy {row.figures_from}"
         cells.append([
             row.name, f"{row.precision} ({row.scheme})",
             f"{row.weight_bytes / 1e6:,.1f} MB ({row.weight_ratio:.2f})",
@@ -90,9 +93,11 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def headline_line(comparison: Comparison) -> str:
     if comparison.load_point:
-        return (f"speed: workload {comparison.workload}, concurrency {comparison.load_point} "
-                "(median of the repeats, [min-max]); speedup measured in the same run as the "
-                "baseline")
+        m = comparison.measurement
+        return (f"speed: workload {comparison.workload}, concurrency {comparison.load_point}, "
+                f"from {m.get('run', '?')} (median of the repeats [min-max]; speedup: the "
+                f"median of the per-repeat ratios to the baseline [min-max], "
+                f"{m.get('pairing') or 'pairing not recorded'})")
     return "speed: not measured yet (make bench)"
 
 
@@ -127,7 +132,10 @@ def _plan_line(comparison: Comparison) -> str:
 
 
 def _notes(comparison: Comparison) -> list[str]:
-    out = []
+    from pipeline.compare import OBJECTIVE_TEXT
+
+    out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
+           "(OBJECTIVE=speed|memory|capacity)"]
     if comparison.hardware:
         out.append(f"speed measured on: {comparison.hardware}")
     for failure in comparison.failures:

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -423,13 +423,19 @@ class ServerPool:
              ) -> tuple[str, str, EngineSettings]:
         return str(Path(model_dir).resolve()), served_name, settings
 
-    def get(self, model_dir: Path, served_name: str, settings: EngineSettings
-            ) -> VllmServer | None:
-        """The running server for exactly these settings, if the pool holds one."""
-        server = self._servers.get(self._key(model_dir, served_name, settings))
-        if server is None or server.proc is None or server.proc.poll() is not None:
-            return None
-        return server
+    def get(self, model_dir: Path, served_name: str, settings: EngineSettings,
+            any_caching: bool = False) -> VllmServer | None:
+        """The running server for exactly these settings, if the pool holds one.
+        ``any_caching``: prefix caching on or off will do (scores do not depend on it)."""
+        options = [settings]
+        if any_caching:
+            options.append(replace(settings,
+                                   enable_prefix_caching=not settings.enable_prefix_caching))
+        for wanted in options:
+            server = self._servers.get(self._key(model_dir, served_name, wanted))
+            if server is not None and server.proc is not None and server.proc.poll() is None:
+                return server
+        return None
 
     def keep(self, server: VllmServer) -> None:
         self._servers[self._key(server.model_dir, server.served_name, server.settings)] = server

@@ -244,6 +244,13 @@ def load_task(path: Path, suite: str | None = None) -> Task:
                 primary_metric=primary_metric(tf.config), include_path=resolved.parent)
 
 
+def builtin_task_sha(name: str) -> str:
+    """The identity of an lm-eval built-in task (not in evals/): its name at this lm-eval."""
+    from importlib import metadata
+
+    return hashlib.sha256(f"{name}@{metadata.version('lm_eval')}".encode()).hexdigest()[:16]
+
+
 def discover(evals_dir: Path | None = None) -> dict[str, list[Task]]:
     """Suite name -> its tasks, for every suite folder under ``evals/``."""
     evals_dir = evals_dir or paths.EVALS_DIR

@@ -168,6 +168,7 @@ MAX_CONCURRENCY = "max_concurrency"  # the engine's figure for max_model_len tok
 KV_CACHE_TOKENS_VS_PLANNED = "kv_cache_tokens_vs_planned"  # reported / planner's prediction
 MAX_CONCURRENCY_VS_PLANNED = "max_concurrency_vs_planned"
 PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"  # hit tokens / queried tokens during the run
+PREFIX_CACHE_EXPECTED_HIT_RATE = "prefix_cache_expected_hit_rate"  # what the shared prefix allows
 PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off / on
 SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree, or GPU memory
 

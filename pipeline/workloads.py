@@ -1,8 +1,18 @@
 """Workload files (``configs/workloads/*.yaml``) and the ``vllm bench serve`` command for each.
 
 A workload names the context-length distribution, the load points (max concurrency), how
-many requests each gets, the repeats and the seed. qpipe does not generate load itself: each
-load point is one run of vLLM's own benchmark client.
+much work each gets, the repeats and the seed. qpipe does not generate load itself: each load
+point is one run of vLLM's own benchmark client.
+
+Speed is measured cold: a sweep runs on servers with prefix caching **off**, and every repeat
+and load point draws its own prompts (seed + 1000 x repeat + concurrency; the same for every
+model, so the comparison stays paired). Caching off rather than only fresh prompts because
+the client's random prompts can still share whole blocks (a chat template, a BOS token) and a
+warm cache from one run would leak into the next; with it off no request can be served from
+another's work, and the engine's hit counters, logged for every run, prove it (a sweep with
+hits is an error, not a figure). Prefix reuse is measured on purpose by the workloads that
+compare caching on and off (``compare_prefix_caching``), whose prompts share a prefix and
+nothing else: distinct suffixes, and a hit rate checked against the share the prefix can give.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ class Workload:
     prompts_per_concurrency: int
     min_prompts: int
     output_len: int
+    # work per load point and repeat, in output tokens: enough that repeats agree (a point of
+    # 4 requests x 16 tokens swings 2-3x on a slow CPU); adds requests, not load points
+    min_output_tokens: int = 0
     input_len: int = 0  # random
     range_ratio: float = 0.0  # random
     prefix_len: int = 0  # prefix_repetition
@@ -57,7 +70,25 @@ class Workload:
                                              or model_name == "baseline")
 
     def num_prompts(self, concurrency: int) -> int:
-        return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
+        by_work = -(-self.min_output_tokens // self.output_len) if self.min_output_tokens else 0
+        return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
+
+    def seed_for(self, concurrency: int, repeat: int) -> int:
+        """Distinct prompts for every repeat and load point; the same for every model."""
+        return self.seed + 1000 * repeat + concurrency
+
+    def expected_prefix_hit_rate(self, block_size: int, concurrency: int) -> float:
+        """The hit rate an ideal prefix cache could reach on one run: every request after the
+        first of its prefix reuses the prefix's whole blocks, and nothing else (suffixes are
+        distinct). 0 for a workload without a shared prefix."""
+        if self.dataset != "prefix_repetition" or block_size <= 0:
+            return 0.0
+        per_prefix = self.num_prompts(concurrency) // self.num_prefixes
+        total = per_prefix * self.num_prefixes
+        if total == 0:
+            return 0.0
+        cached = self.prefix_len // block_size * block_size
+        return (total - self.num_prefixes) / total * cached / (self.prefix_len + self.suffix_len)
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -67,12 +98,17 @@ class Workload:
                 self.output_len * (1 + self.range_ratio)) + 1
         return self.prefix_len + self.suffix_len + self.output_len
 
-    def client_args(self, concurrency: int) -> list[str]:
-        """Arguments of ``vllm bench serve`` that describe this load point."""
+    def client_args(self, concurrency: int, repeat: int = 0) -> list[str]:
+        """Arguments of ``vllm bench serve`` that describe this load point and repeat."""
         args = ["--dataset-name", self.dataset, "--num-prompts", str(self.num_prompts(concurrency)),
                 "--max-concurrency", str(concurrency), "--request-rate", "inf",
-                "--seed", str(self.seed), "--ignore-eos",
+                "--seed", str(self.seed_for(concurrency, repeat)), "--ignore-eos",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES]
+        if not self.compare_prefix_caching:
+            # one batch of the first prompt before the timed run: kernels and batch shapes are
+            # warm (the first repeat ran up to 1.5x slower without). Not for prefix
+            # comparisons: a warm-up would cache a whole prompt that the run then re-sends.
+            args += ["--num-warmups", str(concurrency)]
         if self.dataset == "random":
             args += ["--random-input-len", str(self.input_len),
                      "--random-output-len", str(self.output_len),
@@ -89,7 +125,7 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "repeats": int, "seed": int, "prompts_per_concurrency": int, "min_prompts": int,
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
-          "models": str, "prefix_off_models": str}
+          "models": str, "prefix_off_models": str, "min_output_tokens": int}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len")}
 
@@ -140,6 +176,10 @@ def load(name_or_path: str) -> Workload:
                   description=str(data.get("description", "")),
                   repeats=max(1, int(data.get("repeats", 3))), seed=int(data.get("seed", 0)),
                   prompts_per_concurrency=int(data.get("prompts_per_concurrency", 4)),
-                  min_prompts=int(data.get("min_prompts", 8)))
+                  min_prompts=int(data.get("min_prompts", 8)),
+                  min_output_tokens=int(data.get("min_output_tokens", 0)))
+    if dataset == "prefix_repetition" and not values.get("compare_prefix_caching"):
+        raise ConfigError(f"{path}: a prefix_repetition workload measures prefix reuse: set "
+                          "compare_prefix_caching: true (speed sweeps run with caching off).")
     return Workload(name=path.stem, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
                     **values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import psutil
@@ -48,7 +49,7 @@ min_prompts: 6
 repeats: 1
 seed: 7
 compare_prefix_caching: true
-prefix_off_models: baseline
+models: baseline
 """
 
 
@@ -84,7 +85,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
         summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
-        kept = [pool.get(path, name, settings) for name, path in
+        kept = [pool.get(path, name, settings, any_caching=True) for name, path in
                 (("baseline", base.path), ("int4", workspace / "artifacts" / "variants" /
                                            base.name / "int4"))]
         assert all(server is not None and server.healthy() for server in kept)
@@ -122,20 +123,29 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         # The planner's prediction of vLLM's KV cache (issue: within 1%).
         assert abs(entry["kv"][tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
         assert entry["kv"][tracking.KV_CACHE_TOKENS] == entry["kv"][capacity.KV_CACHE_TOKENS]
-        prefix = entry["workloads"]["tinyprefix"]
-        assert prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.3
-    # caching off: the baseline only (prefix_off_models), so no restart of the variant
+        # the speed sweep is cold: the engine's counters saw prompts and not one cache hit
+        sweep = entry["workloads"]["tiny"]
+        assert sweep["prefix_cache_hit_tokens"] == 0 and sweep[tracking.PREFIX_CACHE_HIT_RATE] == 0
+    # prefix reuse, on the baseline only: hits where the prefix allows them, and no more
     base_prefix = summary["baseline"]["workloads"]
-    assert base_prefix["tinyprefix"][tracking.PREFIX_CACHE_TTFT_SPEEDUP] > 0
+    on = base_prefix["tinyprefix"]
+    assert 0.2 < on[tracking.PREFIX_CACHE_HIT_RATE] <= on[
+        tracking.PREFIX_CACHE_EXPECTED_HIT_RATE] + bench.HIT_TOLERANCE
     assert base_prefix["tinyprefix_nocache"][tracking.PREFIX_CACHE_HIT_RATE] == 0
-    assert "tinyprefix_nocache" not in summary["int4"]["workloads"]
+    assert "tinyprefix" not in summary["int4"]["workloads"]
+    # the speedup is the median of the per-repeat ratios, and lies within their spread;
+    # recomputed here from vLLM's own result files, one per run
     int4 = summary["int4"]["workloads"]["tiny"]["points"][2]
-    baseline_tps = summary["baseline"]["workloads"]["tiny"]["points"][2][
-        tracking.OUTPUT_TOKENS_PER_S]
-    assert int4[tracking.SPEEDUP] == pytest.approx(int4[tracking.OUTPUT_TOKENS_PER_S] /
-                                                   baseline_tps)
+    run_files = next((workspace / "artifacts" / "bench" / base.name).glob("*/runs"))
+    ratios = sorted(
+        json.loads((run_files / f"int4-tiny-c2-r{r}.json").read_text())["output_throughput"]
+        / json.loads((run_files / f"baseline-tiny-c2-r{r}.json").read_text())[
+            "output_throughput"] for r in range(2))
+    assert int4[f"{tracking.SPEEDUP}_min"] == pytest.approx(ratios[0])
+    assert int4[f"{tracking.SPEEDUP}_max"] == pytest.approx(ratios[-1])
+    assert ratios[0] <= int4[tracking.SPEEDUP] <= ratios[-1]
     assert "speedup" not in summary["baseline"]["workloads"]["tiny"]["points"][2]
-    assert "tiny (concurrency 2" in bench_out
+    assert "tiny (concurrency 2" in bench_out and "prefix caching off" in bench_out
 
     import mlflow
 
@@ -148,7 +158,9 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert variant.params[tracking.PARAM_RECIPE] == "int4"
     assert runs["bench:baseline"].data.params[tracking.PARAM_RECIPE] == "none"
     assert variant.metrics[tracking.SPEEDUP] == pytest.approx(int4[tracking.SPEEDUP])
-    assert variant.metrics["tinyprefix.prefix_cache_hit_rate"] > 0.3
+    assert variant.metrics["prefix_cache_hit_tokens"] == 0  # logged: the sweep was cold
+    assert variant.params["speedup_pairing"].startswith("interleaved")
+    assert runs["bench:baseline"].data.metrics["tinyprefix.prefix_cache_hit_rate"] > 0.2
     client = mlflow.MlflowClient()
     history = client.get_metric_history(runs["bench:int4"].info.run_id,
                                         f"{bench.SWEEP}{tracking.OUTPUT_TOKENS_PER_S}")
@@ -168,12 +180,13 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     from pipeline import compare
 
     rows = {r.name: r for r in compare.collect(base, ["int4"]).rows}
-    assert rows["int4"].serving == "ok"
+    assert rows["int4"].serving == "ok" and rows["int4"].comparable
     assert rows["int4"].speedup == pytest.approx(int4[tracking.SPEEDUP])
-    assert rows["baseline"].headline[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(baseline_tps)
+    assert rows["baseline"].headline[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(
+        summary["baseline"]["workloads"]["tiny"]["points"][2][tracking.OUTPUT_TOKENS_PER_S])
     assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary["int4"]["kv"][
         tracking.KV_CACHE_TOKENS]
-    assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.3
+    assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.2
 
 
 def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(

@@ -53,19 +53,73 @@ def test_the_fastest_variant_that_clears_its_gate_is_recommended() -> None:
             _row("int8", 2.0, gate.INCONCLUSIVE)]
     best, reason = compare.recommend(rows)
     assert best == "int4"  # int8 is faster but its gate is inconclusive
-    assert reason.startswith("int4: 1.60x the baseline's throughput")
+    assert reason.startswith("int4 (objective speed: ") and \
+        "1.60x [1.50-1.70] the baseline's throughput" in reason
     assert "app 100.5% [99.5, 102.0]" in reason and "threshold 99%" in reason
+
+
+def test_a_slower_variant_or_one_not_shown_faster_is_never_shipped_for_speed() -> None:
+    slower = _row("int8", 0.5, gate.PASS)
+    slower.headline[f"{tracking.SPEEDUP}_min"], slower.headline[f"{tracking.SPEEDUP}_max"] = \
+        0.3, 0.8
+    straddles = _row("fp8", 1.05, gate.PASS)  # [0.95-1.15]
+    best, reason = compare.recommend([_baseline(), slower, straddles])
+    assert best is None
+    assert "int8: passes its gate but is slower than the baseline (0.50x [0.30-0.80])" in reason
+    assert "fp8: passes its gate but is not shown faster" in reason and "straddles 1" in reason
+    # for memory, speed is not the question: the smallest passing variant
+    small = _row("int4", 0.9, gate.PASS)
+    small.weight_bytes = 113_000_000
+    best, reason = compare.recommend([_baseline(), slower, straddles, small], "memory")
+    assert best == "int4" and "objective memory" in reason
+
+
+def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None:
+    a, b = _row("fp8", 1.5, gate.PASS), _row("int4", 1.2, gate.PASS)
+    b.plan = {"planned_max_concurrency_paged": 90, "planned_max_concurrency_worst_case": 20}
+    assert compare.recommend([_baseline(), a, b], "capacity")[0] == "int4"
+    assert compare.recommend([_baseline(), a, b], "speed")[0] == "fp8"
+    with pytest.raises(ConfigError, match="objective 'cost'"):
+        compare.collect(None, objective="cost")  # type: ignore[arg-type]
 
 
 def test_no_recommendation_names_every_reason() -> None:
     rows = [_baseline(), _row("int8", 2.0, gate.FAIL),
-            _row("mxfp4", None, gate.PASS, serving="unsupported", backend="emulated")]
+            _row("mxfp4", None, gate.PASS, serving="unsupported", backend="emulated"),
+            _row("int4", 2.5, gate.PASS)]
     rows[2].serving_reason = "Failed to find a kernel"
+    rows[3].comparable, rows[3].measurement = False, "bench abc (2026-11-30T10:00:00+00:00)"
     best, reason = compare.recommend(rows)
     assert best is None
     assert "int8: gate fail: suite app: int8 too wide" in reason
-    assert "mxfp4: clears its gate but was not served here (Failed to find a kernel)" in reason
+    assert "mxfp4: passes its gate but was not served here (Failed to find a kernel)" in reason
+    assert "int4: passes its gate but its speed is from another measurement (bench abc" in reason
     assert compare.recommend([_baseline()])[1].endswith("no variant on disk (make quantize)")
+
+
+def _summary(models: dict[str, str], hardware_key: str = "cpu-x") -> dict:
+    return {"hardware": {"key": hardware_key}, "models": {
+        name: {"identity": identity, "status": "ok"} for name, identity in models.items()}}
+
+
+def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None:
+    """`make bench RECIPE=int4` after a campaign: the full run stays the reference."""
+    identities = {"baseline": "B", "fp8": "F", "int4": "I", "int8": "E"}
+    full = (Path("full/summary.json"), _summary({"baseline": "B", "fp8": "F", "int4": "I",
+                                                 "int8": "E"}))
+    partial = (Path("partial/summary.json"), _summary({"baseline": "B", "int4": "I"}))
+    newest_first = [partial, full]
+    assert compare.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
+    # int4 quantized again: only the partial run measured the new checkpoint; the reference
+    # is still the run that covers most variants, and int4's row is marked as from another
+    identities["int4"] = "I2"
+    partial[1]["models"]["int4"]["identity"] = "I2"
+    assert compare.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
+    # a run on this machine's hardware wins over one made elsewhere
+    elsewhere = (Path("gpu/summary.json"), _summary(dict(identities), "cuda-h100"))
+    assert compare.reference_run([elsewhere, full], identities, "cpu-x")[0] == full[0]
+    assert compare.reference_run([elsewhere], identities, "cpu-x")[0] == elsewhere[0]
+    assert compare.reference_run([], identities, "cpu-x") is None
 
 
 def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path) -> None:
@@ -74,7 +128,7 @@ def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path
     comparison = _comparison([_baseline(), _row("fp8", 1.25, gate.PASS), emulated])
 
     text = report.terminal(comparison)
-    assert "recommendation: ship fp8: 1.25x" in text
+    assert "recommendation: ship fp8 (objective speed" in text
     assert "1.25x [1.15-1.35]" in text and "100.5% [99.5, 102.0] [emulated]" in text
     assert "mxfp4: accuracy from the emulated path" in text
 
@@ -132,3 +186,6 @@ def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> No
     assert row.served_concurrency(2048) == 22  # vLLM's own figure at 2,048 tokens is 22.75
     assert row.served_concurrency(2000) == 22  # 2,000 tokens still take 16 blocks of 128
     assert row.served_concurrency(100) == 364
+    # KV figures read from the start-up log carry no block size: no crash, no rounding
+    row.kv = {tracking.KV_CACHE_TOKENS: 46_592, "kv_block_size": 0}
+    assert row.served_concurrency(2048) == 22 and row.served_concurrency(2000) == 23

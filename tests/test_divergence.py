@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -62,12 +63,16 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     text_file = tmp_path / "text.txt"
     text_file.write_text(text)
     self_cache, cache = tmp_path / "self.json", tmp_path / "div.json"
-    figures = divergence.measure_all(tiny_model, {tiny_model: self_cache, other: cache},
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)  # the same weights, loaded a second time on their own
+    figures = divergence.measure_all(tiny_model, {tiny_model: self_cache, other: cache,
+                                                  copy: tmp_path / "copy.json"},
                                      text_path=text_file, seq_len=128)
-    same, diff = figures[tiny_model], figures[other]
-    assert same.kl_div_mean == pytest.approx(0.0, abs=1e-6)
-    assert same.top1_agreement == 1.0
+    same, diff, twin = figures[tiny_model], figures[other], figures[copy]
     assert same.perplexity == pytest.approx(same.baseline_perplexity)
+    # identical models through two separate loads: no divergence, every token agrees
+    assert twin.kl_div_mean == pytest.approx(0.0, abs=1e-6) and twin.top1_agreement == 1.0
+    assert twin.perplexity == pytest.approx(same.baseline_perplexity, rel=1e-6)
 
     # perplexity by hand over the same windows
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -86,3 +91,22 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     assert diff.baseline_perplexity == pytest.approx(same.baseline_perplexity, rel=1e-3)
     assert json.loads(cache.read_text()) == diff.as_dict()
     assert divergence.measure_all(tiny_model, {other: cache})[other] == diff  # from the cache
+
+
+@pytest.mark.slow
+def test_identical_models_scored_through_two_loads_flip_nothing(
+        workspace: Path, tiny_model: Path, tmp_path: Path) -> None:
+    from pipeline import baseline as baselines
+    from pipeline import evaluate, suites
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    base = baselines.resolve(str(tiny_model))
+    tasks = suites.select(tasks=["app_grammar"])
+    settings = evaluate.Settings(limit=12)
+    ours = evaluate.score(base.name, evaluate.baseline_model(base), tasks, evaluate.EMULATED,
+                          settings)
+    twin = evaluate.score(base.name, evaluate.Model("copy", "copy", copy, "copy-identity"),
+                          tasks, evaluate.EMULATED, settings)
+    (r,) = evaluate.compare(tasks, ours, twin)["app_grammar"].values()
+    assert r.n == 12 and r.flips == 0 and r.variant_score == r.baseline_score

@@ -8,68 +8,109 @@ from pathlib import Path
 import pytest
 
 from pipeline import baseline as baselines
-from pipeline import evaluate, gate, quantize, recipes, suites
+from pipeline import evaluate, gate, quantize, recipes, recovery, suites
 from pipeline.errors import ConfigError
 
 
-def _entry(pct: float | None, low: float | None, high: float | None, meaningful: bool = True,
+def _entry(base: list[int], var: list[int], chance: float = 0.5, suite: str = "app",
            backend: str = "served") -> dict:
-    rec = {"meaningful": meaningful, "recovery_pct": pct, "ci_low": low, "ci_high": high,
-           "flips": 3, "n": 100, "baseline_score": 0.8 if meaningful else 0.51, "chance": 0.5}
-    return {"backend": backend, "primary_metric": "acc,none", "recovery": {"acc,none": rec}}
+    """A task entry as eval writes it, from paired 0/1 scores."""
+    r = recovery.recovery(base, var, chance)
+    return {"suite": suite, "backend": backend, "primary_metric": "acc,none",
+            "recovery": {"acc,none": r.as_dict()}}
+
+
+def _items(n: int, right: int, lost: int = 0, gained: int = 0) -> tuple[list[int], list[int]]:
+    """n items, the baseline right on ``right``; the variant loses and gains some."""
+    base = [1] * right + [0] * (n - right)
+    var = list(base)
+    for i in range(lost):
+        var[i] = 0
+    for i in range(gained):
+        var[right + i] = 1
+    return base, var
 
 
 def test_task_level_compares_the_lower_end_with_the_threshold() -> None:
-    summary = {"tasks": {"a": _entry(99.0, 97.5, 100.5), "b": _entry(98.0, 95.1, 100.2),
-                         "c": _entry(None, None, None, meaningful=False),
-                         "d": _entry(90.0, 85.0, 94.0)}}
-    verdict = gate.judge(summary, "int4", 96, level="task")
-    assert not verdict.ok and verdict.status == gate.FAIL
+    entries = {"a": _entry(*_items(600, 540, lost=1)),  # clears 96
+               "b": _entry(*_items(100, 90, lost=3)),  # straddles 96
+               "c": _entry(*_items(100, 52)),  # baseline at chance
+               "d": _entry(*_items(400, 360, lost=40))}  # 88.9%: fails
+    verdict = gate.judge(entries, "int4", 96, level="task")
+    assert verdict.status == gate.FAIL
     (undecided,) = verdict.inconclusive
-    assert undecided.startswith("b: recovery 98.0% [95% CI 95.1, 100.2]")
-    assert "lower end 95.1 < threshold 96 <= upper end 100.2" in undecided
+    assert undecided.startswith("b: recovery 96.7% [95% CI ") and "3/100 flips" in undecided
+    assert "lower end" in undecided and "< threshold 96 <= upper end" in undecided
     (failure,) = verdict.failed
-    assert failure.startswith("d: recovery 90.0%") and "upper end 94.0 < threshold 96" in failure
-    assert verdict.passed[0].startswith("a: recovery 99.0%")
+    assert failure.startswith("d: recovery 88.9%") and "< threshold 96" in failure
+    assert verdict.passed[0].startswith("a: recovery 99.8%")
     assert verdict.skipped[0].startswith("c: not meaningful")
-    del summary["tasks"]["d"]
-    assert gate.judge(summary, "int4", 96, level="task").status == gate.INCONCLUSIVE
-    assert gate.judge(summary, "int4", 95, level="task").ok
-    emulated = gate.judge({"tasks": {"a": _entry(99.0, 97.5, 100.5, backend="emulated")}}, "x", 95,
+    del entries["d"]
+    assert gate.judge(entries, "int4", 96, level="task").status == gate.INCONCLUSIVE
+    assert gate.judge(entries, "int4", 80, level="task").ok
+    emulated = gate.judge({"a": _entry(*_items(600, 540), backend="emulated")}, "x", 95,
                           level="task")
     assert emulated.passed[0].startswith("a [emulated]:")
 
 
-def _suite(pct: float | None, low: float | None, high: float | None, tasks: tuple[str, ...],
-           backend: str = "served") -> dict:
-    return {"recovery_pct": pct, "ci_low": low, "ci_high": high, "tasks": list(tasks),
-            "skipped": [], "backend": backend}
+def test_a_tiny_task_identical_to_the_baseline_is_inconclusive_not_a_pass() -> None:
+    """Zero flips on 5 items: every bootstrap resample gave [100, 100]; it proves nothing."""
+    entries = {"t": _entry(*_items(5, 5), chance=0.25)}
+    verdict = gate.judge(entries, "fp8", 99)
+    assert verdict.status == gate.INCONCLUSIVE, verdict
+    (line,) = verdict.inconclusive
+    assert "5 items can certify at best" in line and "below the threshold" in line
+    assert "answering every item as the baseline does" in line and "items would" in line
+    r = entries["t"]["recovery"]["acc,none"]
+    assert r["ci_low"] < 60 and r["certifiable_pct"] == pytest.approx(r["ci_low"])
+    # 131 identical items: still short of 99%, and the verdict says how far
+    grammar = gate.judge({"g": _entry(*_items(131, 125))}, "fp8", 99)
+    assert grammar.status == gate.INCONCLUSIVE
+    assert "131 items can certify at best 96.9%" in grammar.inconclusive[0]
 
 
-def test_suite_level_judges_the_pooled_interval_not_each_task() -> None:
-    # each task alone straddles 96; the suite's pooled interval clears it
-    summary = {"tasks": {"a": _entry(99.0, 95.0, 102.0), "b": _entry(99.5, 95.5, 103.0)},
-               "suites": {"app": _suite(99.2, 96.8, 101.6, ("a", "b")),
-                          "*": _suite(10.0, 5.0, 15.0, ("a", "b"))}}
-    assert gate.judge(summary, "int4", 96, level="task").status == gate.INCONCLUSIVE
-    verdict = gate.judge(summary, "int4", 96)
+def test_suite_level_judges_the_mover_interval_and_no_task_hides_another() -> None:
+    # each task alone straddles 97.6; together (MOVER) they clear it
+    entries = {"a": _entry(*_items(300, 270, lost=3)), "b": _entry(*_items(300, 280, lost=2))}
+    assert len(gate.judge(entries, "int4", 97.6, level="task").inconclusive) == 2
+    verdict = gate.judge(entries, "int4", 97.6)
     assert verdict.ok, verdict
-    assert verdict.passed == ["suite app: recovery 99.2% [95% CI 96.8, 101.6] over a, b "
-                              "(200 items)"]  # the all-suites mean "*" is not judged
-    summary["suites"]["std"] = _suite(93.0, 90.0, 95.0, ("a",), backend="emulated")
-    verdict = gate.judge(summary, "int4", 96)
+    (line,) = verdict.passed
+    assert line.startswith("suite app: recovery 99.1% [95% CI ") and "over a, b (600 items)" in line
+    # a task above 100% by noise cannot hide another task's real loss
+    entries["up"] = _entry(*_items(100, 50, gained=20), chance=0.25)  # 140%
+    entries["down"] = _entry(*_items(200, 190, lost=30))  # 84.2%
+    figure = gate.suite_figures(entries)["app"]
+    assert figure["recovery_pct"] > 96  # the mean alone would look fine
+    verdict = gate.judge(entries, "int4", 96)
     assert verdict.status == gate.FAIL
-    assert verdict.failed[0].startswith("suite std [emulated]: recovery 93.0%")
-    assert "suite std" in verdict.reason()
+    assert "task down 84.2%" in verdict.failed[0] and "not averaged away" in verdict.failed[0]
 
 
-def test_nothing_meaningful_cannot_pass() -> None:
-    verdict = gate.judge({"tasks": {"c": _entry(None, None, None, meaningful=False)}}, "int4", 96,
-                         level="task")
-    assert not verdict.ok and not verdict.failed
+def test_nothing_meaningful_is_its_own_verdict() -> None:
+    verdict = gate.judge({"c": _entry(*_items(100, 52))}, "int4", 96)
+    assert verdict.status == gate.NOT_MEANINGFUL and not verdict.ok
+    assert verdict.skipped == ["suite app: not meaningful (no task above chance)"]
     assert "above chance" in verdict.reason()
-    suite = gate.judge({"suites": {"app": _suite(None, None, None, ())}}, "int4", 96)
-    assert not suite.ok and suite.skipped == ["suite app: not meaningful (no task above chance)"]
+    assert gate.judge({}, "int4", 96).status == gate.NOT_EVALUATED
+
+
+def test_only_current_results_are_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task scored on another checkpoint, baseline or task file is stale: never judged."""
+    monkeypatch.setattr(gate, "_task_shas", lambda: {"a": "sha-a", "b": "sha-b2", "c": "sha-c"})
+    good = _entry(*_items(600, 540))
+    summary = {"tasks": {
+        "a": {**good, "identity": "v2", "baseline_identity": "base", "task_sha": "sha-a"},
+        "b": {**good, "identity": "v2", "baseline_identity": "base", "task_sha": "sha-b1"},
+        "c": {**good, "identity": "v1", "baseline_identity": "base", "task_sha": "sha-c"},
+        "d": {**good, "identity": "v2", "baseline_identity": "other", "task_sha": "x"}}}
+    current, stale = gate.current_tasks(summary, "v2", "base")
+    assert list(current) == ["a"]
+    assert stale == ["b: its task file or data changed since it was scored",
+                     "c: scored on another checkpoint of this variant",
+                     "d: scored against another baseline"]
+    verdict = gate.judge({}, "int4", 96, stale=stale)
+    assert not verdict.ok and "make eval RECIPE=int4" in verdict.reason()
 
 
 def test_thresholds_come_from_the_recipe(tmp_path: Path) -> None:
@@ -80,10 +121,11 @@ def test_thresholds_come_from_the_recipe(tmp_path: Path) -> None:
 
 
 def test_gate_without_an_evaluation_says_what_to_run(workspace: Path) -> None:
+    base = baselines.Baseline("SmolLM2-135M-Instruct", workspace, "x", "id")
     with pytest.raises(ConfigError, match="run `make eval"):
-        gate.gate("SmolLM2-135M-Instruct")
+        gate.gate(base)
     with pytest.raises(ConfigError, match="make eval RECIPE=int4"):
-        gate.gate("SmolLM2-135M-Instruct", ["int4"])
+        gate.gate(base, ["int4"])
 
 
 RECIPE = """\
@@ -131,7 +173,7 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
     assert base["app_grammar"].metrics["acc,none"] >= 0.8
     assert report["crude-w2"]["recoveries"]["app_grammar"]["acc,none"].recovery_pct < 90
 
-    crude, fine = gate.gate(embedded.name, variants)
+    crude, fine = gate.gate(embedded, variants)
     # 30 items: the crude variant's interval may still reach the threshold (inconclusive);
     # either way it does not pass, and the gate says why
     assert not crude.ok and crude.status in (gate.FAIL, gate.INCONCLUSIVE), crude
@@ -142,6 +184,7 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
         gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=variants,
                                     threshold=None, level="suite"))
     assert info.value.exit_code == 1
-    assert "crude-w2: suite app" in str(info.value) and "fine-w8" not in str(info.value)
+    assert "crude-w2 (" in str(info.value) and "suite app" in str(info.value)
+    assert "fine-w8" not in str(info.value)
     assert gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=["fine-w8"],
                                        threshold=None, level="suite")) == 0

@@ -40,11 +40,43 @@ def test_bootstrap_of_two_items_matches_the_exact_distribution() -> None:
     assert recovery.interval(draws) == (0.0, 100.0)
 
 
-def test_identical_models_have_a_zero_width_interval_at_100() -> None:
+def test_zero_flips_do_not_give_a_zero_width_interval() -> None:
+    """Identical answers on 8 items prove little: 0 losses in n allow a loss of about 3/n."""
     scores = [1, 0, 1, 1, 0, 1, 1, 1]
     r = recovery.recovery(scores, scores, chance=0.25)
-    assert (r.recovery_pct, r.ci_low, r.ci_high) == (100.0, 100.0, 100.0)
-    assert r.flips == 0 and r.flip_rate == 0
+    assert r.recovery_pct == 100.0 and r.flips == 0
+    assert r.ci_low < 75 and r.ci_high > 100  # a bootstrap gave [100, 100]
+    assert r.certifiable_pct == pytest.approx(r.ci_low)
+    # more identical items narrow it, and no number of items can certify 100%
+    lows = [recovery.recovery([1] * n + [0] * n, [1] * n + [0] * n).ci_low for n in (10, 100, 1000)]
+    assert lows[0] < lows[1] < lows[2] < 100
+    assert recovery.items_needed(100, 0.9) is None
+    need = recovery.items_needed(99, 0.95)
+    assert recovery.certifiable_pct(need, 0.95) >= 99 > recovery.certifiable_pct(need - 1, 0.95)
+
+
+def test_the_interval_covers_the_true_recovery_at_small_n_and_rare_flips() -> None:
+    """Simulated paired tasks: the 95% interval holds the true recovery at least ~95% of the
+    time, including samples with no flip at all (where a bootstrap never covers a loss)."""
+    rng = np.random.default_rng(11)
+    for p_base, loss, gain, n in [(0.95, 0.02, 0.0, 131), (0.95, 0.03, 0.0, 40),
+                                  (0.65, 0.05, 0.08, 95), (0.9, 0.1, 0.3, 20)]:
+        truth = (p_base * (1 - loss) + (1 - p_base) * gain) / p_base * 100
+        covered, zero_flip_cases, boot_covered = 0, 0, 0
+        for _ in range(1500):
+            b = (rng.random(n) < p_base).astype(float)
+            v = np.where(b == 1, rng.random(n) >= loss, rng.random(n) < gain).astype(float)
+            if b.sum() == 0:
+                continue
+            low, high = recovery.binary_recovery_interval(b, v)
+            covered += low <= truth <= high
+            if (b == v).all():
+                zero_flip_cases += 1
+                boot = recovery.interval(recovery.bootstrap_ratios(b, v, iters=200))
+                boot_covered += boot[0] <= truth <= boot[1]
+        assert covered / 1500 >= 0.94, (p_base, loss, gain, n, covered)
+        if zero_flip_cases:
+            assert boot_covered == 0  # what the interval replaces: [100, 100] at any n
 
 
 def test_interval_is_paired_and_reproducible() -> None:
@@ -67,18 +99,23 @@ def test_interval_is_paired_and_reproducible() -> None:
 
 
 def test_chance_detection() -> None:
-    # 2-choice task, baseline 52 % of 100 items: SE = 0.05, 0.52 - 1.96 * 0.05 < 0.5
+    # 2-choice task, baseline 52 % of 100 items: Wilson lower end 0.42 < 0.5
     near = [1] * 52 + [0] * 48
     assert not recovery.meaningful(near, chance=0.5)
     r = recovery.recovery(near, near, chance=0.5)
     assert not r.meaningful and r.recovery_pct is None and r.ci_low is None
-    # 70 % of 100 items: SE = 0.0458, 0.70 - 0.0898 = 0.610 > 0.5
+    # 70 % of 100 items: Wilson lower end 0.60 > 0.5
     assert recovery.meaningful([1] * 70 + [0] * 30, chance=0.5)
     # a generation task the baseline never solves: chance 0, score 0 -> not meaningful
     assert not recovery.meaningful([0] * 50, chance=0.0)
-    # 2 right of 50 with chance 0: SE = 0.0277, 0.04 - 0.054 < 0 -> not meaningful
-    assert not recovery.meaningful([1, 1] + [0] * 48, chance=0.0)
-    assert recovery.meaningful([1] * 10 + [0] * 40, chance=0.0)
+    # 2 right of 50 with chance 0: the Wilson interval [0.011, 0.135] clears 0 (a normal
+    # approximation, 0.04 - 1.96 x 0.028 < 0, did not); its recovery interval is then wide
+    assert recovery.meaningful([1, 1] + [0] * 48, chance=0.0)
+    rare = recovery.recovery([1, 1] + [0] * 48, [1, 0] + [0] * 48, chance=0.0)
+    assert rare.ci_high - rare.ci_low > 50
+    # 3 of 3 right on a 4-choice task: Wilson [0.44, 1] clears 0.25
+    assert recovery.meaningful([1, 1, 1], chance=0.25)
+    assert not recovery.meaningful([1, 1, 1], chance=0.5)
 
 
 def test_suite_figure_is_the_mean_of_task_recoveries_not_the_ratio_of_means() -> None:

@@ -14,9 +14,13 @@ def test_shipped_workloads_load_and_describe_a_client_run() -> None:
     assert chat.repeats >= 3
     args = chat.client_args(16)
     assert args[args.index("--max-concurrency") + 1] == "16"
-    assert args[args.index("--num-prompts") + 1] == str(
-        max(chat.min_prompts, chat.prompts_per_concurrency * 16))
-    assert args[args.index("--seed") + 1] == str(chat.seed)
+    assert int(args[args.index("--num-prompts") + 1]) == chat.num_prompts(16) >= max(
+        chat.min_prompts, chat.prompts_per_concurrency * 16)
+    # every repeat and load point draws its own prompts; every model gets the same ones
+    seeds = {(c, r): chat.client_args(c, r)[chat.client_args(c, r).index("--seed") + 1]
+             for c in chat.load_points for r in range(chat.repeats)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert chat.client_args(4, 1) == chat.client_args(4, 1)
     prefix = workloads.load("prefix")
     assert prefix.compare_prefix_caching and prefix.prefix_len % 128 == 0
     assert "--prefix-repetition-prefix-len" in prefix.client_args(4)
@@ -57,3 +61,29 @@ def test_bad_workloads_name_the_file_and_field(tmp_path: Path, body: str, messag
 def test_unknown_workload_lists_the_shipped_ones() -> None:
     with pytest.raises(ConfigError, match="chat, prefix"):
         workloads.load("nope")
+
+
+def test_each_point_gets_enough_work_and_the_prefix_share_is_what_blocks_allow(
+        tmp_path: Path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("dataset: random\ninput_len: 64\noutput_len: 16\nload_points: [1, 8]\n"
+                    "min_prompts: 1\nprompts_per_concurrency: 1\nmin_output_tokens: 128\n")
+    w = workloads.load(str(path))
+    assert w.num_prompts(1) == 8 and w.num_prompts(8) == 8  # 8 x 16 = 128 tokens either way
+    assert w.expected_prefix_hit_rate(128, 1) == 0.0
+    prefix = workloads.load("prefix")
+    n = prefix.num_prompts(prefix.headline)
+    per_prefix = n // prefix.num_prefixes
+    expected = (per_prefix * prefix.num_prefixes - prefix.num_prefixes) / (
+        per_prefix * prefix.num_prefixes) * 512 / (512 + 64)
+    assert prefix.expected_prefix_hit_rate(128, prefix.headline) == pytest.approx(expected)
+    # only whole blocks are reused: a 200-token prefix with 128-token blocks shares 128
+    path.write_text("dataset: prefix_repetition\nprefix_len: 200\nsuffix_len: 56\n"
+                    "output_len: 4\nnum_prefixes: 1\nmin_prompts: 4\n"
+                    "compare_prefix_caching: true\n")
+    assert workloads.load(str(path)).expected_prefix_hit_rate(128, 1) == pytest.approx(
+        3 / 4 * 128 / 256)
+    path.write_text("dataset: prefix_repetition\nprefix_len: 200\nsuffix_len: 56\n"
+                    "output_len: 4\n")
+    with pytest.raises(ConfigError, match="compare_prefix_caching: true"):
+        workloads.load(str(path))
