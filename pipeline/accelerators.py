@@ -66,3 +66,23 @@ def get_accelerator(name: str, directory: Path = ACCELERATORS_DIR) -> Accelerato
             f"(files in {directory}). For another device pass --memory-gb N (or --memory-gib N)."
         )
     return preset
+
+
+FAMILIES = ("h200", "h100", "a100", "l40s", "l4", "a10", "b200", "gb200")
+
+
+def detect(gpu_name: str, memory_mib: int | None,
+           directory: Path = ACCELERATORS_DIR) -> Accelerator | None:
+    """The preset for this card (its family in the name, the nearest memory), or None."""
+    name = gpu_name.lower().replace("-", " ")
+    family = next((f for f in FAMILIES if f in name.split() or f in name.replace(" ", "")), None)
+    if family is None:
+        return None
+    candidates = [p for p in known_accelerators(directory).values()
+                  if p.description.lower().replace("-", " ").split()[1:2] == [family]
+                  or p.name.startswith(f"{family}-")]
+    if not candidates:
+        return None
+    if memory_mib is None:
+        return candidates[0] if len(candidates) == 1 else None
+    return min(candidates, key=lambda p: abs(p.memory_bytes - memory_mib * 2**20))

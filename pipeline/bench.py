@@ -36,6 +36,8 @@ from pipeline.serve import (
     ServerPool,
     UnsupportedFormat,
     VllmServer,
+    add_engine_arguments,
+    engine_settings_from,
     known_refusal,
     remember_refusal,
     serve_python,
@@ -184,6 +186,7 @@ class ModelRecord:
     reason: str = ""
     log: str = ""  # the server log that says why, for a model that is not ok
     kv: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the engine chose
     peak_memory_bytes: int = 0
     # workload -> load point -> list of client results (one per repeat)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = dataclasses.field(default_factory=dict)
@@ -275,7 +278,28 @@ def _stop_unless_kept(server: VllmServer, pool: ServerPool | None) -> None:
         server.stop()
 
 
+def _kv_dtype(settings: EngineSettings) -> str:
+    """The KV-cache dtype the engine was asked for (``--kv-cache-dtype`` through VLLM_ARGS)."""
+    args = list(settings.extra_args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--kv-cache-dtype=") else (
+            args[i + 1] if arg == "--kv-cache-dtype" and i + 1 < len(args) else None)
+        if value is not None:
+            return "fp8" if value.startswith("fp8") else "bf16"
+    return "bf16"
+
+
 def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings) -> None:
+    """What the engine chose (kernels, scheme, weight memory) and its KV cache, beside the
+    planner's prediction for the budget the engine really used: its own figure (CPU), its log's
+    "Available KV cache memory" (GPU; ``kv_cache_memory_bytes`` is not exported there unless
+    set), else the CPU setting. With no known budget there is no prediction to compare."""
+    log = engine_metrics.read_log(server.log_text())
+    record.engine = {"scheme": log.scheme, "kernels": list(log.kernels),
+                     "fp8_weight_only": log.fp8_weight_only,
+                     "enforce_eager": server.settings.enforce_eager}
+    if log.weight_memory_bytes:
+        record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = log.weight_memory_bytes
     info = engine_metrics.kv_cache_info(engine_metrics.parse(server.metrics_text()),
                                         server.log_text())
     if info is None:
@@ -283,11 +307,21 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
     record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
                  tracking.MAX_CONCURRENCY: info.max_concurrency,
                  "kv_block_size": info.block_size, "kv_num_blocks": info.num_blocks}
-    budget = info.kv_cache_memory_bytes or int(settings.kv_cache_space_gib * 2**30)
+    if info.kv_cache_memory_bytes:
+        budget, source = info.kv_cache_memory_bytes, "engine metrics"
+    elif log.kv_cache_memory_bytes:
+        budget, source = log.kv_cache_memory_bytes, "engine log (0.01 GiB)"
+    elif server.target == "cpu":
+        budget, source = int(settings.kv_cache_space_gib * 2**30), "VLLM_CPU_KVCACHE_SPACE"
+    else:
+        record.engine["kv_budget_source"] = "unknown: no planned figure to compare"
+        return
+    record.engine["kv_budget_source"] = source
+    record.kv[tracking.KV_CACHE_MEMORY_BYTES] = budget
     config = json.loads((record.model.path / "config.json").read_text())
     planned = capacity.predict_vllm_kv_cache(
-        config, budget, block_size=info.block_size or 16, kv_dtype="bf16",
-        max_model_len=settings.max_model_len)
+        config, budget, block_size=info.block_size or (128 if server.target == "cpu" else 16),
+        kv_dtype=_kv_dtype(settings), max_model_len=settings.max_model_len)
     record.kv.update({
         capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
         capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
@@ -426,7 +460,8 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                                  "serve_command": record.serve_command,
                                  "reason": record.reason, "log": record.log,
                                  "format": record.model.format,
-                                 "kv": record.kv, "peak_memory_bytes": record.peak_memory_bytes,
+                                 "kv": record.kv, "engine": record.engine,
+                                 "peak_memory_bytes": record.peak_memory_bytes,
                                  "workloads": {}}
         # a model that failed mid-run has no complete measurement: no figures from it
         for key, points in (record.runs.items() if record.status == "ok" else ()):
@@ -504,6 +539,10 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
                     if name_ != "points" and isinstance(value, (int, float)):
                         metrics[f"{prefix}{suffix}{name_}"] = value
         metrics.update({k: float(v) for k, v in entry["kv"].items()})
+        engine = entry.get("engine", {})
+        if engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
+            metrics[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = engine[
+                tracking.ENGINE_WEIGHT_MEMORY_BYTES]
         if entry["peak_memory_bytes"]:
             metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry["peak_memory_bytes"]
         prof = hardware.profile()
@@ -514,6 +553,9 @@ def _log(base: baselines.Baseline, summary: dict[str, Any], loads: list[Workload
                   tracking.PARAM_HARDWARE: prof.describe()[:500], **settings.as_params()}
         if entry.get("serve_command"):
             params["serve_command"] = entry["serve_command"][:5000]
+        if engine.get("scheme"):
+            params["engine_scheme"] = engine["scheme"][:500]
+            params["engine_kernels"] = "; ".join(engine.get("kernels", []))[:500] or "-"
         if entry["status"] != "ok":
             params["serving_reason"] = entry["reason"][:500]
             if entry.get("log"):
@@ -543,6 +585,8 @@ def format_table(summary: dict[str, Any], loads: list[Workload], pairing_text: s
                      f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} "
                      f"{'cache hits':>10s}")
         for name, entry in summary.items():
+            if not workload.runs_on(name):
+                continue
             if entry["status"] == "failed":
                 lines.append(f"  {name:10s} FAILED: {entry['reason']}\n  {'':10s} log: "
                              f"{entry.get('log') or '-'}")
@@ -596,6 +640,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     from pipeline.serve import serve_target
 
     target = target or serve_target()
+    settings = settings.resolved(target)  # eager on CPUs, compiled on GPUs: recorded as such
     longest = max(w.max_tokens_per_request for w in loads)
     if longest > settings.max_model_len:
         raise ConfigError(f"the workloads send up to {longest} tokens per request, more than "
@@ -649,7 +694,6 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineSettings()
     baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
                         help="a variant to bench (repeatable; default: every variant on disk)")
@@ -658,22 +702,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default: {', '.join(workloads_mod.DEFAULT_WORKLOADS)})")
     parser.add_argument("--repeats", type=int, help="override every workload's repeats")
     parser.add_argument("--force", action="store_true", help="re-measure even if unchanged")
-    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    parser.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_space_gib,
-                        help="CPU: VLLM_CPU_KVCACHE_SPACE (%(default)s)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=defaults.gpu_memory_utilization)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--compile", action="store_true",
-                        help="let vLLM compile (slower start-up, faster steady state)")
+    add_engine_arguments(parser)
     parser.set_defaults(servers=None)  # a campaign passes its ServerPool here
-
-
-def settings_from(args: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(max_model_len=args.max_model_len, kv_cache_space_gib=args.kv_cache_gib,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          enforce_eager=not args.compile)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -681,8 +711,8 @@ def run(args: argparse.Namespace) -> int:
     loads = [workloads_mod.load(w) for w in args.workload or workloads_mod.DEFAULT_WORKLOADS]
     if args.repeats:
         loads = [dataclasses.replace(w, repeats=args.repeats) for w in loads]
-    summary = bench(baselines.resolve(args.baseline), args.recipe, loads, settings_from(args),
-                    args.force, pool=args.servers)
+    summary = bench(baselines.resolve(args.baseline), args.recipe, loads,
+                    engine_settings_from(args), args.force, pool=args.servers)
     failed = {n: e for n, e in summary.items() if e["status"] == "failed"}
     if failed:
         print("[bench] failed, not a hardware limit: " + "; ".join(

@@ -48,4 +48,22 @@ def load(calibration: Calibration, tokenizer: Any) -> Any:
             lambda row: {"text": tokenizer.apply_chat_template(row["messages"], tokenize=False)},
         )
     data = data.select_columns(["text"]).shuffle(seed=calibration.seed)
+    for note in caps(calibration, len(data),
+                     max(len(tokenizer(t).input_ids) for t in data["text"][:256])):
+        print(f"[quantize] calibration: {note}", flush=True)
     return data.select(range(min(calibration.num_samples, len(data))))
+
+
+def caps(calibration: Calibration, rows: int, longest_tokens: int) -> list[str]:
+    """What the data itself limits below what was asked (said, never silently applied)."""
+    notes = []
+    if calibration.num_samples > rows:
+        notes.append(f"{calibration.dataset} has {rows} samples, fewer than the "
+                     f"{calibration.num_samples} asked (CALIB_SAMPLES): all {rows} are used. "
+                     "For more, point CALIB_DATA= at a larger file or a hub dataset "
+                     "(docs: README, Recipes)")
+    if calibration.max_seq_length > longest_tokens:
+        notes.append(f"its longest sample is {longest_tokens} tokens, shorter than the "
+                     f"{calibration.max_seq_length} asked (CALIB_SEQ_LEN): samples are not "
+                     "padded or joined, so none reaches that length")
+    return notes

@@ -63,7 +63,7 @@ class Campaign:
     workloads: tuple[str, ...] = ("chat", "prefix")
     repeats: int | None = None
     suites: tuple[str, ...] = ()  # empty: every suite in evals/
-    limit: int | None = None
+    limit: int | str | None = None  # items per task; "all"; None: each task's qpipe_limit
     backend: str = "auto"  # eval: auto (served where vLLM serves the format), served, hf
     divergence: bool = True
     objective: str = "speed"  # what the recommendation optimises: speed | memory | capacity
@@ -71,7 +71,7 @@ class Campaign:
 
 
 FIELDS = {"description": str, "recipes": list, "workloads": list, "repeats": int,
-          "suites": list, "limit": int, "backend": str, "divergence": bool, "plan": dict,
+          "suites": list, "limit": (int, str), "backend": str, "divergence": bool, "plan": dict,
           "objective": str}
 PLAN_FIELDS = {"gpu": str, "context": int, "max_context": int, "memory_gb": (int, float)}
 
@@ -96,6 +96,9 @@ def load(name_or_path: str) -> Campaign:
     plan = values.pop("plan", {}) or {}
     for key, value in plan.items():
         _check(path, f"plan.{key}", value, PLAN_FIELDS)
+    if isinstance(values.get("limit"), str) and values["limit"] != "all":
+        raise ConfigError(f"{path}: limit is a number of items per task or `all`, not "
+                          f"{values['limit']!r}.")
     if values.get("objective", "speed") not in compare.OBJECTIVES:
         raise ConfigError(f"{path}: objective {values['objective']!r} is not one of "
                           f"{', '.join(compare.OBJECTIVES)}.")
@@ -118,12 +121,15 @@ def _qpipe() -> list[str]:
 
 
 def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
-                   engine_args: list[str] | None = None) -> list[tuple[str, list[str]]]:
-    """(label, ``qpipe`` arguments) of every stage, in order."""
+                   engine_args: list[str] | None = None,
+                   calibration_args: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(label, ``qpipe`` arguments) of every stage, in order. ``engine_args`` go to every stage
+    that starts vLLM servers (bench and eval: one engine configuration for the campaign),
+    ``calibration_args`` to every quantize stage."""
     recipes = list(campaign.recipes) or paths.yaml_names(paths.RECIPES_DIR)
     again = ["--force"] if force else []
-    steps = [(f"quantize {r}", ["quantize", "--baseline", baseline, "--recipe", r, *again])
-             for r in recipes]
+    steps = [(f"quantize {r}", ["quantize", "--baseline", baseline, "--recipe", r, *again,
+                                *(calibration_args or [])]) for r in recipes]
     variants = [a for r in recipes for a in ("--recipe", r)]
     bench = ["bench", "--baseline", baseline, *variants,
              *[a for w in campaign.workloads for a in ("--workload", w)], *again,
@@ -131,7 +137,8 @@ def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
     if campaign.repeats:
         bench += ["--repeats", str(campaign.repeats)]
     evaluate = ["eval", "--baseline", baseline, *variants,
-                *[a for s in campaign.suites for a in ("--suite", s)], *again]
+                *[a for s in campaign.suites for a in ("--suite", s)], *again,
+                *(engine_args or [])]
     if campaign.limit:
         evaluate += ["--limit", str(campaign.limit)]
     if campaign.backend != "auto":
@@ -342,9 +349,12 @@ def child_metrics(row: compare.Row) -> dict[str, float]:
     """The joined figures of one variant, under the stage runs' metric names."""
     m: dict[str, float] = {tracking.WEIGHT_BYTES: row.weight_bytes,
                            "weight_ratio": row.weight_ratio}
-    for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY):
+    for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY,
+                tracking.KV_CACHE_MEMORY_BYTES):
         if key in row.kv:
             m[key] = row.kv[key]
+    if row.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
+        m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES]
     m.update(row.plan)  # at the campaign's plan target (the parent's plan_* params)
     if row.serving == "ok":
         m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
@@ -406,6 +416,8 @@ def log_campaign(comparison: compare.Comparison, files: list[Path], meta: dict[s
                 if row.measurement:
                     params["measurement"] = row.measurement
                     params["comparable"] = row.comparable
+                if row.engine.get("scheme"):
+                    params["engine_scheme"] = row.engine["scheme"][:500]
                 mlflow.log_params(params)
                 mlflow.log_metrics(child_metrics(row))
         return parent.info.run_id
@@ -464,18 +476,30 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate_limit(value: str) -> int | str:
+    from pipeline.evaluate import parse_limit
+
+    return parse_limit(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compare_arguments(parser)
     parser.add_argument("--workload", action="append", help="override the campaign's workloads")
     parser.add_argument("--repeats", type=int, help="override the campaign's repeats")
     parser.add_argument("--suite", action="append", help="override the campaign's suites")
-    parser.add_argument("--limit", type=int, help="override the campaign's items per task")
+    parser.add_argument("--limit", type=evaluate_limit,
+                        help="override the campaign's items per task (a number or `all`)")
     parser.add_argument("--force", action="store_true", help="redo every stage")
     parser.add_argument("--quantize-jobs", type=int,
                         help="recipes quantized at once (default: one per core on a CPU host, "
                              "as memory allows; one on a GPU host)")
     parser.add_argument("--engine-arg", action="append", default=[],
-                        help="passed to `qpipe bench` (e.g. --engine-arg=--kv-cache-gib=2)")
+                        help="an engine option for every vLLM server of the campaign, passed to "
+                             "`qpipe bench` and `qpipe eval` (e.g. --engine-arg=--kv-cache-gib=2,"
+                             " --engine-arg=--vllm-arg=--tensor-parallel-size=2)")
+    parser.add_argument("--calib-samples", type=int, help="every recipe's calibration samples")
+    parser.add_argument("--calib-seq-len", type=int, help="every recipe's calibration length")
+    parser.add_argument("--calib-data", help="every recipe's calibration data (file or hub id)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -493,7 +517,11 @@ def run(args: argparse.Namespace) -> int:
     base = baselines.resolve(args.baseline)
     started = time.monotonic()
     print(f"[all] campaign {campaign.name} ({campaign.path}): {campaign.description}")
-    steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg)
+    calibration = [a for flag, value in (("--calib-samples", args.calib_samples),
+                                         ("--calib-seq-len", args.calib_seq_len),
+                                         ("--calib-data", args.calib_data))
+                   if value is not None for a in (flag, str(value))]
+    steps = stage_commands(campaign, args.baseline, args.force, args.engine_arg, calibration)
     failures = run_stages(steps, started, base, args.quantize_jobs)
     total = len(steps) + 1
     print(f"\n[all {total}/{total}] compare (elapsed {jobs.clock(time.monotonic() - started)})")

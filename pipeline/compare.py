@@ -16,12 +16,13 @@ interval clears its recipe's threshold on every suite; or none, with the reason.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipeline import baseline as baselines
 from pipeline import capacity, checkpoint, evaluate, gate, paths, tracking
+from pipeline.accelerators import detect as detect_accelerator
 from pipeline.accelerators import get_accelerator
 from pipeline.errors import ConfigError, PlanError
 from pipeline.fsutil import read_json
@@ -37,14 +38,46 @@ PRECISION_OF_FORMAT = {
 }
 
 
+DEFAULT_PLAN_GPU = "h100-80gb"  # where the planner places variants on a host without a GPU
+
+
 @dataclass(frozen=True)
 class PlanTarget:
-    """Where the planner places each variant: an accelerator preset (or memory) and contexts."""
+    """Where the planner places each variant: an accelerator preset (or memory) and contexts.
+    ``gpu: auto`` is the card this machine has (its preset, else its memory), or h100-80gb on
+    a host without a GPU."""
 
-    gpu: str = "h100-80gb"
+    gpu: str = "auto"
     context: int = 2048
     max_context: int = 8192
     memory_gb: float | None = None
+
+    def resolved(self, prof: Any) -> tuple[PlanTarget, str]:
+        """(this target with ``auto`` decided for the machine ``prof``, a note for the report
+        when the plan is not for the card the figures were measured on)."""
+        gpu = prof.gpus[0] if prof.target == "cuda" and prof.gpus else None
+        if self.memory_gb is not None:
+            return self, (f"planned for {self.memory_gb:g} GB" + (
+                f"; the figures were measured on {gpu.name}" if gpu else ""))
+        if self.gpu != "auto":
+            preset = get_accelerator(self.gpu)
+            if gpu is None:
+                return self, f"planned for {preset.description}; this machine has no GPU"
+            here = detect_accelerator(gpu.name, gpu.memory_mib)
+            same = here is not None and here.name == preset.name
+            return self, "" if same else (f"planned for {preset.description}, not for this "
+                                          f"machine's {gpu.name}")
+        if gpu is None:
+            return replace(self, gpu=DEFAULT_PLAN_GPU), (
+                f"planned for {get_accelerator(DEFAULT_PLAN_GPU).description}: this machine "
+                "has no GPU (PLAN_GPU= picks another)")
+        here = detect_accelerator(gpu.name, gpu.memory_mib)
+        if here is not None:
+            return replace(self, gpu=here.name), ""
+        if gpu.memory_mib:
+            return replace(self, memory_gb=gpu.memory_mib * 2**20 / 1e9), ""
+        return replace(self, gpu=DEFAULT_PLAN_GPU), (
+            f"planned for {DEFAULT_PLAN_GPU}: {gpu.name} has no preset and reports no memory")
 
     def settings(self, precision: str, group_size: int) -> capacity.PlanSettings:
         if self.memory_gb is not None:
@@ -76,6 +109,7 @@ class Row:
     headline: dict[str, float] = field(default_factory=dict)  # bench stats at the headline
     sweep: dict[int, dict[str, float]] = field(default_factory=dict)  # load point -> stats
     kv: dict[str, float] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # what the engine chose and used
     peak_memory_bytes: int = 0
     prefix: dict[str, float] = field(default_factory=dict)
     eval_backend: str | None = None  # served | emulated | None (not evaluated)
@@ -126,6 +160,7 @@ class Comparison:
     hardware: str = ""  # where the bench figures were measured (the machine's profile)
     measurement: dict[str, str] = field(default_factory=dict)  # the reference bench run
     objective: str = "speed"
+    plan_note: str = ""  # when the plan is not for the card the figures come from
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -190,6 +225,10 @@ def _apply_bench(row: Row, summary: dict[str, Any], entry: dict[str, Any]) -> tu
     row.serving, row.serving_reason = entry["status"], entry.get("reason", "")
     row.serving_log = entry.get("log", "")
     row.kv = {k: float(v) for k, v in entry.get("kv", {}).items()}
+    row.engine = dict(entry.get("engine", {}))
+    if row.engine.get("fp8_weight_only"):
+        row.notes.append(f"served as {row.engine['scheme']}: its speed is not an FP8 W8A8 "
+                         "speed")
     row.peak_memory_bytes = int(entry.get("peak_memory_bytes") or 0)
     data = entry.get("workloads", {}).get(first, {})
     row.sweep = {int(k): v for k, v in data.get("points", {}).items()}
@@ -249,7 +288,9 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
         raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)} "
                           "(OBJECTIVE= in make, --objective in the CLI).")
 
-    target = target or PlanTarget()
+    from pipeline import hardware
+
+    target, plan_note = (target or PlanTarget()).resolved(hardware.profile())
     base_bytes = checkpoint.measure(base.path).weight_bytes
     rows = [Row(BASELINE, "none", "bf16", "dense", "bf16", base_bytes, 1.0)]
     identities = {BASELINE: base.identity}
@@ -263,8 +304,6 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
 
     config = json.loads((base.path / "config.json").read_text())
     summaries = _bench_entries(base.name)
-    from pipeline import hardware
-
     reference = reference_run(summaries, identities, hardware.profile().key())
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
@@ -312,7 +351,7 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
             sources[f"eval:{row.name}"] = str(summary_path)
     best, reason = recommend(rows, objective)
     return Comparison(base.name, rows, workload, load_point, target, best, reason, sources,
-                      failed, measurement.get("hardware", ""), measurement, objective)
+                      failed, measurement.get("hardware", ""), measurement, objective, plan_note)
 
 
 # --- the verdict -------------------------------------------------------------------------------

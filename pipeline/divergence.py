@@ -68,11 +68,22 @@ def windows(token_ids: list[int], seq_len: int = SEQ_LEN) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
+def device() -> str:
+    """Where the check runs: the GPU when there is one (minutes for an 8B model on a host CPU
+    without bf16 units, and a 70B does not fit in its RAM), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, HF_DTYPE))
+    # on GPUs accelerate places the layers over every device a large model needs
+    placement = {"device_map": "auto"} if device() == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, HF_DTYPE),
+                                                 **placement)
     return model.eval()
 
 
@@ -80,8 +91,8 @@ def _log_probs(model: Any, ids: list[int]) -> Any:
     import torch
 
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).cpu()  # kept for every variant: host memory
 
 
 def token_stats(base_lp: Any, var_lp: Any, targets: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline import baseline as baselines
 from pipeline import checkpoint, divergence, hardware, paths, recovery, suites, tracking
-from pipeline.errors import ConfigError, QpipeError
+from pipeline.errors import QpipeError
 from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
+from pipeline.serve import EngineSettings, add_engine_arguments, engine_settings_from
 
 if TYPE_CHECKING:
     from pipeline.serve import ServerPool
@@ -57,15 +58,17 @@ class EvalError(QpipeError):
 class Settings:
     """What determines a score besides the model and the task; recorded with every result."""
 
-    limit: int | None = None  # None: each task's metadata.qpipe_limit, else every item
+    limit: int | str | None = None  # None: each task's qpipe_limit, else every item; "all"
     num_fewshot: int | None = None  # None: the task's own
     batch_size: int = 16  # hf: sequences per forward; served: prompts per request
     num_concurrent: int = 2  # served: requests in flight
-    max_model_len: int = 2048
     backend: str = "auto"  # auto | served | hf
+    engine: EngineSettings = field(default_factory=EngineSettings)  # served: as bench's
 
     def for_task(self, task: suites.Task) -> dict[str, Any]:
-        return {"limit": self.limit if self.limit is not None else task.default_limit,
+        limit = None if self.limit == "all" else (
+            self.limit if self.limit is not None else task.default_limit)
+        return {"limit": limit,
                 "num_fewshot": self.num_fewshot, "seeds": SEEDS,
                 "lm_eval": metadata.version("lm_eval")}
 
@@ -154,13 +157,23 @@ def _quiet_libraries() -> None:
 
 def _max_model_len(model: Model, settings: Settings) -> int:
     config = read_json(model.path / "config.json")
-    limit = config.get("max_position_embeddings") or settings.max_model_len
-    return int(min(settings.max_model_len, limit))
+    limit = config.get("max_position_embeddings") or settings.engine.max_model_len
+    return int(min(settings.engine.max_model_len, limit))
+
+
+def engine_for(model: Model, settings: Settings) -> EngineSettings:
+    """The engine settings a served model is scored with: the campaign's (or eval's) own, its
+    context capped at the model's, every automatic choice made for this host."""
+    from pipeline.serve import serve_target
+
+    return replace(settings.engine, max_model_len=_max_model_len(model, settings)).resolved(
+        serve_target())
 
 
 def _engine_settings(settings: Settings, model: Model) -> dict[str, Any]:
-    return {"max_model_len": _max_model_len(model, settings),
-            "num_concurrent": settings.num_concurrent}
+    engine = engine_for(model, settings).as_params()
+    engine.pop("engine.enable_prefix_caching", None)  # scores do not depend on it
+    return {**engine, "num_concurrent": settings.num_concurrent}
 
 
 def _shown(path: Path) -> str:
@@ -209,14 +222,16 @@ def lm_eval_command(model: Model, task: suites.Task, backend: str, settings: Set
 
 def serve_command(model: Model, settings: Settings) -> str:
     """The ``vllm serve`` command for the hand-made served run (port 8000)."""
-    from pipeline.serve import EngineSettings, serve_target
+    from pipeline.serve import VllmServer
 
-    env = f"VLLM_CPU_KVCACHE_SPACE={EngineSettings().kv_cache_space_gib:g} " \
-        if serve_target() == "cpu" else ""
-    return env + shlex.join([".venv-serve/bin/vllm", "serve", _shown(model.path),
-                             "--served-model-name", model.served_name, "--port", "8000",
-                             "--dtype", "bfloat16", "--max-model-len",
-                             str(_max_model_len(model, settings)), "--enforce-eager"])
+    server = VllmServer(Path(_shown(model.path)), model.served_name,
+                        engine_for(model, settings), Path("/dev/null"))
+    server.port = 8000
+    cpu_env = [f"{k}={v}" for k, v in server.environment().items()
+               if k.startswith("VLLM_CPU_KVCACHE")]
+    command = server.command()
+    command[0] = ".venv-serve/bin/vllm"
+    return shlex.join([*cpu_env, *command])
 
 
 def _task_manager(task: suites.Task) -> Any:
@@ -305,9 +320,9 @@ def _lm(model: Model, backend: str, settings: Settings, log_dir: Path,
     """(model or its name, model_args) for simple_evaluate; serves the model when SERVED
     (through the pool's server when it holds one started with the same settings)."""
     if backend == SERVED:
-        from pipeline.serve import EngineSettings, VllmServer
+        from pipeline.serve import VllmServer
 
-        engine = EngineSettings(max_model_len=_max_model_len(model, settings))
+        engine = engine_for(model, settings)
         running = pool.get(model.path, model.served_name, engine, any_caching=True) \
             if pool else None
         if running is not None:
@@ -598,7 +613,7 @@ def log_mlflow(base: baselines.Baseline, model: Model, backend: str, tasks: list
             "qpipe.model_identity": model.identity,
             tracking.TAG_HARDWARE_KEY: hardware.profile().key()}
     if div is not None:
-        tags[tracking.TAG_DIVERGENCE_BACKEND] = divergence.BACKEND
+        tags[tracking.TAG_DIVERGENCE_BACKEND] = f"{divergence.BACKEND} on {divergence.device()}"
     if not_meaningful:
         tags[tracking.TAG_NOT_MEANINGFUL] = ",".join(not_meaningful)
     name = f"eval:{model.label}" + (" (emulated)" if backend == EMULATED else "")
@@ -656,14 +671,15 @@ def _divergences(base: baselines.Baseline, variants: list[Model]
     model identity, held-out text and dtype."""
     div_dir = cache_root(base.name) / "divergence"
     # the figures depend on the text and on the dtype the models ran in
-    text = f"{divergence.text_hash(divergence.heldout_text())}-{divergence.HF_DTYPE}"
+    text = (f"{divergence.text_hash(divergence.heldout_text())}-{divergence.HF_DTYPE}-"
+            f"{divergence.device()}")
     caches = {base.path: div_dir / f"{base.identity}-self-{text}.json",
               **{m.path: div_dir / f"{m.identity}-vs-{base.identity}-{text}.json"
                  for m in variants}}
     todo = sum(not cache.is_file() for cache in caches.values())
     if todo:
-        print(f"[eval] divergence on held-out text ({_shown(divergence.HELDOUT)}): "
-              f"{todo} model(s) against the baseline ...", flush=True)
+        print(f"[eval] divergence on held-out text ({_shown(divergence.HELDOUT)}, on "
+              f"{divergence.device()}): {todo} model(s) against the baseline ...", flush=True)
     return divergence.measure_all(base.path, caches)
 
 
@@ -719,6 +735,17 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
     return report
 
 
+def parse_limit(value: str) -> int | str:
+    """``--limit``: a positive number of items per task, or ``all``."""
+    if value == "all":
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise argparse.ArgumentTypeError(
+        f"{value!r}: give a positive number of items (LIMIT=50) or `all`, or leave it empty for "
+        "each task's default")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     baselines.add_baseline_argument(parser)
     parser.add_argument("--recipe", action="append",
@@ -728,8 +755,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", action="append",
                         help="a task by name (repeatable); names not in evals/ go to lm-eval's "
                              "built-in tasks (need their dataset hub)")
-    parser.add_argument("--limit", type=int,
-                        help="items per task (default: each task's qpipe_limit, else all)")
+    parser.add_argument("--limit", type=parse_limit,
+                        help="items per task, or `all` (default: each task's qpipe_limit, "
+                             "else all)")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
     parser.add_argument("--backend", choices=["auto", "served", "hf"], default="auto",
                         help="auto: served where vLLM serves the format, else hf (emulated)")
@@ -737,7 +765,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf: sequences per forward pass; served: prompts per request")
     parser.add_argument("--num-concurrent", type=int, default=2,
                         help="requests in flight to the vLLM server")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM context length")
+    add_engine_arguments(parser)  # the same engine settings as bench's (a campaign passes both)
     parser.add_argument("--no-divergence", action="store_true",
                         help="skip KL divergence / top-1 agreement / perplexity")
     parser.add_argument("--force", action="store_true", help="re-score even if cached")
@@ -746,15 +774,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     tracking.check_store()  # seconds, before the work: not minutes after it
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit {args.limit}: give a positive number of items (LIMIT=50), or "
-                          "leave it empty for each task's default.")
     base = baselines.resolve(args.baseline)
     recipes = [r for r in args.recipe or [] if r != "none"]
     variants = [] if args.recipe == ["none"] else variant_models(base, recipes or None)
     settings = Settings(limit=args.limit, num_fewshot=args.num_fewshot,
                         batch_size=args.batch_size, num_concurrent=args.num_concurrent,
-                        max_model_len=args.max_model_len, backend=args.backend)
+                        backend=args.backend, engine=engine_settings_from(args))
     tasks = resolve_tasks(args.suite, args.task)
     if not variants:
         print(f"[eval] no variant of {base.name} on disk: scoring the baseline only "

@@ -125,7 +125,8 @@ def _where(comparison: Comparison) -> str:
 
 def _plan_line(comparison: Comparison) -> str:
     t = comparison.plan_target
-    return (f"max concurrency: 'served' is the KV cache vLLM reported here divided by "
+    note = f" ({comparison.plan_note})" if comparison.plan_note else ""
+    return (f"max concurrency{note}: 'served' is the KV cache vLLM reported here divided by "
             f"{t.context:,}-token requests; 'planned' is the capacity planner on "
             f"{_where(comparison)} with each variant's weights, {t.context:,} tokens per request "
             f"(paged) or {t.max_context:,} reserved (worst case)")
@@ -171,7 +172,9 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               capacity.MAX_CONCURRENCY_WORST_CASE, "serving_status", "output_tokens_per_s",
               "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup", "speedup_min",
               "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-              "eval_backend", "gate", "threshold_pct")
+              "eval_backend", "gate", "threshold_pct", "engine_scheme",
+              tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
+              "comparable")
 
 
 def csv_text(comparison: Comparison) -> str:
@@ -196,7 +199,11 @@ def csv_text(comparison: Comparison) -> str:
                 capacity.MAX_CONCURRENCY_WORST_CASE),
             "serving_status": row.serving, "eval_backend": row.eval_backend or "",
             "gate": "" if row.name == BASELINE else row.gate_status,
-            "threshold_pct": row.threshold}
+            "threshold_pct": row.threshold, "engine_scheme": row.engine.get("scheme", ""),
+            tracking.ENGINE_WEIGHT_MEMORY_BYTES: row.engine.get(
+                tracking.ENGINE_WEIGHT_MEMORY_BYTES),
+            tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
+            "measurement": row.measurement, "comparable": row.comparable}
         for key in CSV_FIELDS:
             if key in h:
                 record[key] = h[key]

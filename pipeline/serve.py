@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -65,7 +66,8 @@ class UnsupportedFormat(ServeError):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """vLLM engine settings; every field is recorded with the run."""
+    """vLLM engine settings, one object for every server a stage or campaign starts (bench's
+    and eval's alike); every field is recorded with the run."""
 
     max_model_len: int = 2048
     dtype: str = "bfloat16"
@@ -74,11 +76,48 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    enforce_eager: bool = True  # CPU: skips ~60 s of torch.compile warm-up per start
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # None: eager on CPUs (torch.compile costs ~60 s per start there, and decode is compute-
+    # bound), compiled with CUDA graphs on GPUs (eager decode is bound by kernel launches there:
+    # it would understate every tok/s, ITL and speedup)
+    enforce_eager: bool | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)  # any other `vllm serve` flag
+
+    def resolved(self, target: str) -> EngineSettings:
+        """These settings with every automatic choice made for ``target`` (cpu | cuda)."""
+        if self.enforce_eager is not None:
+            return self
+        return replace(self, enforce_eager=target == "cpu")
 
     def as_params(self) -> dict[str, Any]:
         return {f"engine.{k}": v for k, v in asdict(self).items() if v not in (None, ())}
+
+
+def add_engine_arguments(parser: Any) -> None:
+    """The engine options of every stage that starts vLLM servers (bench, eval, campaign)."""
+    d = EngineSettings()
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="vLLM context length (%(default)s; capped at the model's)")
+    parser.add_argument("--kv-cache-gib", type=int, default=d.kv_cache_space_gib,
+                        help="CPU: VLLM_CPU_KVCACHE_SPACE (%(default)s)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=d.gpu_memory_utilization, help="CUDA (%(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compile", dest="enforce_eager", action="store_false", default=None,
+                      help="let vLLM compile (default on GPUs)")
+    mode.add_argument("--eager", dest="enforce_eager", action="store_true",
+                      help="--enforce-eager (default on CPUs)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="FLAG",
+                        help="any other `vllm serve` flag, passed as is (repeatable), e.g. "
+                             "--vllm-arg=--tensor-parallel-size=2")
+
+
+def engine_settings_from(args: Any) -> EngineSettings:
+    return EngineSettings(max_model_len=args.max_model_len, kv_cache_space_gib=args.kv_cache_gib,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enforce_eager=args.enforce_eager,
+                          extra_args=tuple(args.vllm_arg or ()))
 
 
 def serve_python() -> Path:
@@ -126,8 +165,11 @@ def remember_refusal(identity: str, reason: str) -> None:
 def serve_target() -> str:
     """``cuda`` where a GPU is visible, else ``cpu`` (``QPIPE_SERVE_TARGET`` overrides)."""
     target = os.environ.get("QPIPE_SERVE_TARGET", os.environ.get("SERVE_TARGET", "auto"))
-    if target != "auto":
-        return target
+    return target if target != "auto" else _detected_target()
+
+
+@functools.lru_cache(maxsize=1)
+def _detected_target() -> str:
     try:
         subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, timeout=20)
         return "cuda"
@@ -190,11 +232,11 @@ class VllmServer:
                  warmup_timeout: float = 300) -> None:
         self.model_dir = model_dir
         self.served_name = served_name
-        self.settings = settings
+        self.target = target or serve_target()
+        self.settings = settings.resolved(self.target)
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.warmup_timeout = warmup_timeout
-        self.target = target or serve_target()
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.peak_memory_bytes = 0
@@ -421,12 +463,13 @@ class ServerPool:
     @staticmethod
     def _key(model_dir: Path, served_name: str, settings: EngineSettings
              ) -> tuple[str, str, EngineSettings]:
-        return str(Path(model_dir).resolve()), served_name, settings
+        return str(Path(model_dir).resolve()), served_name, settings.resolved(serve_target())
 
     def get(self, model_dir: Path, served_name: str, settings: EngineSettings,
             any_caching: bool = False) -> VllmServer | None:
         """The running server for exactly these settings, if the pool holds one.
         ``any_caching``: prefix caching on or off will do (scores do not depend on it)."""
+        settings = settings.resolved(serve_target())
         options = [settings]
         if any_caching:
             options.append(replace(settings,

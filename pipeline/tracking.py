@@ -170,7 +170,11 @@ MAX_CONCURRENCY_VS_PLANNED = "max_concurrency_vs_planned"
 PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"  # hit tokens / queried tokens during the run
 PREFIX_CACHE_EXPECTED_HIT_RATE = "prefix_cache_expected_hit_rate"  # what the shared prefix allows
 PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off / on
-SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree, or GPU memory
+SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree (CPU); on GPUs
+# nvidia-smi's figure, which is ~gpu_memory_utilization x the card whatever the model: the
+# two below say what weights and KV cache take
+ENGINE_WEIGHT_MEMORY_BYTES = "engine_weight_memory_bytes"  # "Model loading took X GiB" (GPU)
+KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used
 
 # evaluate. Scores are "<task>.<metric>": app_facts.acc, qpipe_gsm8k.exact_match/strict-match
 RECOVERY_PREFIX = "recovery_pct."  # + task: variant / baseline score x 100 (the task's metric)

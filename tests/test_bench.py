@@ -21,21 +21,10 @@ from pipeline import (
     workloads,
 )
 from pipeline.serve import EngineSettings, ServerPool, known_refusal, serve_python
+from tests.conftest import TINY_LOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
-TINY_LOAD = """\
-description: tiny sweep
-dataset: random
-input_len: 32
-output_len: 8
-load_points: [1, 2]
-headline: 2
-min_prompts: 4
-prompts_per_concurrency: 2
-repeats: 2
-seed: 7
-"""
 TINY_PREFIX = """\
 description: tiny shared prefix
 dataset: prefix_repetition
@@ -92,7 +81,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         bench_out = capsys.readouterr().out
         scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
                                    suites.select(tasks=["app_facts"]),
-                                   evaluate.Settings(limit=4, max_model_len=512),
+                                   evaluate.Settings(limit=4, engine=settings),
                                    with_divergence=False, track=False, pool=pool)
         out = capsys.readouterr().out
         served = hardware.profile().kernel_library != "_C_AVX2"
@@ -220,7 +209,7 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
 
         scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
                                    suites.select(tasks=["app_facts"]),
-                                   evaluate.Settings(limit=4, max_model_len=512),
+                                   evaluate.Settings(limit=4, engine=settings),
                                    with_divergence=False, track=False, pool=pool)
         assert scored["int4"]["backend"] == evaluate.EMULATED
         assert "cannot serve it here" in capsys.readouterr().out

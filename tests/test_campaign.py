@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests import services
-from tests.conftest import run_cli
+from tests.conftest import TINY_LOAD, run_cli
 
 postgres_uri = services.postgres_uri
 chromium_path = services.chromium_path
@@ -136,18 +136,6 @@ backend: hf
 divergence: false
 plan: {{gpu: h100-80gb, context: 512, max_context: 1024}}
 """
-KILL_LOAD = """\
-description: tiny sweep
-dataset: random
-input_len: 32
-output_len: 8
-load_points: [1, 2]
-headline: 2
-min_prompts: 2
-prompts_per_concurrency: 1
-repeats: 2
-seed: 7
-"""
 
 
 def _kill_when_measured(workspace: Path, name: str, stop: threading.Event,
@@ -169,7 +157,7 @@ def _kill_when_measured(workspace: Path, name: str, stop: threading.Event,
 def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
     tiny_model: Path, workspace: Path
 ) -> None:
-    (workspace / "kill.yaml").write_text(KILL_LOAD)
+    (workspace / "kill.yaml").write_text(TINY_LOAD)
     spec = workspace / "kill-campaign.yaml"
     spec.write_text(KILL_CAMPAIGN.format(workload=workspace / "kill.yaml"))
     stop, killed = threading.Event(), {}

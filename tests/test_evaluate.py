@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -82,6 +83,12 @@ def test_unknown_variant_and_bad_limit(workspace: Path, tiny_model: Path) -> Non
     with pytest.raises(ConfigError, match="make quantize RECIPE=int4"):
         evaluate.variant_models(base, ["int4"])
     assert evaluate.variant_models(base, None) == []
+    assert evaluate.parse_limit("all") == "all" and evaluate.parse_limit("7") == 7
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of items"):
+            evaluate.parse_limit(bad)
+    gsm8k = next(t for t in suites.select(["standard"]) if t.name == "qpipe_gsm8k")
+    assert evaluate.Settings(limit="all").for_task(gsm8k)["limit"] is None  # every item
 
 
 def _runs(workspace: Path, baseline_name: str) -> list:

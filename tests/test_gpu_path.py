@@ -1,0 +1,182 @@
+"""The CUDA code path, checked without a GPU: settings objects, log lines and /metrics text built
+from vLLM 0.32's own format strings, a stand-in nvidia-smi, and hardware profiles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline import (
+    bench,
+    campaign,
+    capacity,
+    compare,
+    engine_metrics,
+    evaluate,
+    hardware,
+    serve,
+    tracking,
+)
+from pipeline.serve import EngineSettings, VllmServer
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+# vLLM 0.32's log lines, as its format strings write them (gpu_worker.py, gpu_model_runner.py,
+# kernels/linear/__init__.py, marlin_utils_fp8.py)
+A100_FP8_LOG = """\
+(EngineCore pid=7) WARNING 11-30 10:00:01 [marlin_utils_fp8.py:108] Your GPU does not have \
+native support for FP8 computation but FP8 quantization is being used. Weight-only FP8 \
+compression will be used leveraging the Marlin kernel. This may degrade performance for \
+compute-heavy workloads.
+(EngineCore pid=7) INFO 11-30 10:00:09 [gpu_model_runner.py:5150] Model loading took 8.49 GiB \
+memory and 6.123456 seconds
+(EngineCore pid=7) INFO 11-30 10:00:30 [gpu_worker.py:760] Available KV cache memory: 22.47 GiB
+"""
+H100_INT4_LOG = """\
+(EngineCore pid=7) INFO 11-30 10:00:02 [compressed_tensors_wNa16.py:138] Using \
+MacheteLinearKernel for CompressedTensorsWNA16
+(EngineCore pid=7) INFO 11-30 10:00:09 [gpu_model_runner.py:5150] Model loading took 5.37 GiB \
+memory and 4.2 seconds
+"""
+
+
+def _gpu(name: str, memory_mib: int | None, cc: str) -> hardware.Profile:
+    return hardware.Profile("cuda", "x86_64", "x", 16, (), "native", "0.32.0",
+                            (hardware.Gpu(name, memory_mib, cc),))
+
+
+def test_gpus_run_compiled_with_cuda_graphs_and_cpus_eager(tmp_path: Path) -> None:
+    assert EngineSettings().resolved("cuda").enforce_eager is False
+    assert EngineSettings().resolved("cpu").enforce_eager is True
+    assert EngineSettings(enforce_eager=True).resolved("cuda").enforce_eager is True
+    gpu = VllmServer(tmp_path, "m", EngineSettings(), tmp_path / "l", target="cuda")
+    cpu = VllmServer(tmp_path, "m", EngineSettings(), tmp_path / "l", target="cpu")
+    assert "--enforce-eager" not in gpu.command() and "--enforce-eager" in cpu.command()
+    assert gpu.settings.as_params()["engine.enforce_eager"] is False  # recorded as it ran
+
+
+def test_fp8_on_ampere_is_recorded_as_weight_only_with_its_memory_split() -> None:
+    log = engine_metrics.read_log(A100_FP8_LOG)
+    assert log.fp8_weight_only and log.scheme.startswith("W8A16Fp8 (FP8 weights only")
+    assert log.weight_memory_bytes == int(8.49 * 2**30)
+    assert log.kv_cache_memory_bytes == int(22.47 * 2**30)
+    h100 = engine_metrics.read_log(H100_INT4_LOG)
+    assert h100.scheme == "WNA16" and not h100.fp8_weight_only
+    assert h100.kernels == ("MacheteLinearKernel for CompressedTensorsWNA16",)
+    assert h100.kv_cache_memory_bytes is None
+
+
+class _FakeServer:
+    """The parts of a VllmServer that _record_kv reads."""
+
+    def __init__(self, metrics: str, log: str, target: str = "cuda") -> None:
+        self._metrics, self._log, self.target = metrics, log, target
+        self.settings = EngineSettings().resolved(target)
+
+    def metrics_text(self) -> str:
+        return self._metrics
+
+    def log_text(self) -> str:
+        return self._log
+
+
+def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path: Path) -> None:
+    """cache_config_info's kv_cache_memory_bytes is None on CUDA unless set: the log's
+    "Available KV cache memory" is the budget, not a fixed 1 GiB (~50x off)."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    budget = int(22.47 * 2**30)
+    engine = capacity.predict_vllm_kv_cache(LLAMA_8B, budget, block_size=16, kv_dtype="bf16",
+                                            max_model_len=2048)
+    metrics = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+               'enable_prefix_caching="False",kv_cache_memory_bytes="None",'
+               f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
+               f'kv_cache_max_concurrency="{engine.max_concurrency}",'
+               f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
+    record = bench.ModelRecord(bench.Model("fp8", tmp_path, "id", "float-quantized"))
+    bench._record_kv(record, _FakeServer(metrics, A100_FP8_LOG), EngineSettings(max_model_len=2048))
+    assert record.kv[tracking.KV_CACHE_MEMORY_BYTES] == budget
+    assert record.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] == pytest.approx(1.0, abs=0.01)
+    assert record.engine["kv_budget_source"].startswith("engine log")
+    assert record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] == int(8.49 * 2**30)
+    assert record.engine["fp8_weight_only"] and record.engine["enforce_eager"] is False
+    # without the log line there is no budget to plan from: no made-up comparison
+    bare = bench.ModelRecord(bench.Model("fp8", tmp_path, "id", "float-quantized"))
+    bench._record_kv(bare, _FakeServer(metrics, ""), EngineSettings(max_model_len=2048))
+    assert tracking.KV_CACHE_TOKENS_VS_PLANNED not in bare.kv
+    assert bare.engine["kv_budget_source"].startswith("unknown")
+
+
+def test_an_fp8_kv_cache_asked_through_vllm_args_is_planned_as_fp8() -> None:
+    assert bench._kv_dtype(EngineSettings()) == "bf16"
+    assert bench._kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype=fp8_e4m3",))) == "fp8"
+    assert bench._kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype", "fp8"))) == "fp8"
+
+
+def test_the_plan_target_is_the_card_this_machine_has() -> None:
+    auto = compare.PlanTarget()
+    a100 = _gpu("NVIDIA A100-SXM4-40GB", 40960, "8.0")
+    target, note = auto.resolved(a100)
+    assert target.gpu == "a100-40gb" and note == ""
+    h200 = _gpu("NVIDIA H200", 143771, "9.0")
+    assert auto.resolved(h200)[0].gpu == "h200-141gb"
+    odd = _gpu("NVIDIA RTX 6000 Ada Generation", 49140, "8.9")
+    target, _ = auto.resolved(odd)
+    assert target.memory_gb == pytest.approx(49140 * 2**20 / 1e9)
+    cpu = hardware.Profile("cpu", "x86_64", "x", 2, ("avx2",), "native", "0.32.0")
+    target, note = auto.resolved(cpu)
+    assert target.gpu == "h100-80gb" and "this machine has no GPU" in note
+    # asked for an H100 on an A100: planned as asked, and the report says it differs
+    target, note = compare.PlanTarget(gpu="h100-80gb").resolved(a100)
+    assert target.gpu == "h100-80gb" and "not for this machine's NVIDIA A100-SXM4-40GB" in note
+
+
+def test_caches_and_refusals_are_kept_per_gpu_model(monkeypatch: pytest.MonkeyPatch,
+                                                    workspace: Path) -> None:
+    models = [bench.Model("none", Path("/m"), "id", "dense")]
+    keys = {}
+    for profile in (_gpu("NVIDIA L40S", 46068, "8.9"), _gpu("NVIDIA H100 80GB HBM3", 81559,
+                                                             "9.0")):
+        monkeypatch.setattr(hardware, "profile", lambda p=profile: p)
+        keys[profile.key()] = (bench._cache_key(models, [], EngineSettings(), "cuda"),
+                               serve._refusal_file("id").name)
+    (l40s_bench, l40s_refusal), (h100_bench, h100_refusal) = keys.values()
+    assert l40s_bench != h100_bench and l40s_refusal != h100_refusal
+    assert "sm89" in l40s_refusal and "sm90" in h100_refusal
+
+
+def test_one_engine_configuration_for_every_server_of_a_campaign() -> None:
+    """GPU_UTIL and MAX_MODEL_LEN reach eval's servers as well as bench's; calibration settings
+    reach every quantize stage."""
+    spec = campaign.load("default")
+    steps = dict(campaign.stage_commands(
+        spec, "tiny", engine_args=["--gpu-memory-utilization=0.5", "--vllm-arg=--enable-lora"],
+        calibration_args=["--calib-samples", "512"]))
+    for stage in ("bench", "eval"):
+        assert "--gpu-memory-utilization=0.5" in steps[stage]
+        assert "--vllm-arg=--enable-lora" in steps[stage]
+    assert steps["quantize int4"][-2:] == ["--calib-samples", "512"]
+    settings = evaluate.Settings(engine=EngineSettings(gpu_memory_utilization=0.5,
+                                                       extra_args=("--enable-lora",)))
+    model = evaluate.Model("x", "x", Path("/nowhere"), "id")
+    engine = evaluate.engine_for(model, settings)
+    assert engine.gpu_memory_utilization == 0.5 and engine.extra_args == ("--enable-lora",)
+
+
+def test_mig_instances_report_no_memory_without_killing_the_sampler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = "4242, [N/A]\n4243, 1024\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=out, stderr=""))
+    assert serve._gpu_memory_of({4242, 4243}) == 1024 * 2**20
+
+
+def test_the_full_campaign_leads_with_a_gpu_sized_workload_on_every_item() -> None:
+    full = campaign.load("full")
+    assert full.workloads[0] == "smoke" and full.limit == "all"
+    assert full.plan.gpu == "auto"

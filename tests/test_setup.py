@@ -1,0 +1,51 @@
+"""scripts/setup.sh on a GPU host, with a stand-in nvidia-smi: the target and the CUDA check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline import paths
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  *driver_version*) echo 535.104.05 ;;
+  *) echo "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0)" ;;
+esac
+"""
+
+
+def _setup(*args: str, gpu: bool, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SERVE_TARGET": "auto"}
+    if gpu:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(FAKE_SMI)
+        smi.chmod(0o755)
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return subprocess.run([str(paths.PROJECT_ROOT / "scripts" / "setup.sh"), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_serving_target_follows_the_gpu(tmp_path: Path) -> None:
+    assert _setup("target", gpu=True, tmp_path=tmp_path).stdout.strip() == "cuda"
+    no_gpu = _setup("target", gpu=False, tmp_path=tmp_path).stdout.strip()
+    assert no_gpu in ("cpu", "cuda")  # cuda only on a machine that really has one
+
+
+def test_a_torch_that_cannot_see_the_gpu_fails_setup_naming_the_driver(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():  # this machine's torch does see a GPU: nothing to fail
+        ok = _setup("check-cuda", str(Path(sys.executable).parent.parent), gpu=True,
+                    tmp_path=tmp_path)
+        assert ok.returncode == 0 and "sees" in ok.stdout
+        return
+    done = _setup("check-cuda", str(Path(sys.executable).parent.parent), gpu=True,
+                  tmp_path=tmp_path)
+    assert done.returncode == 1
+    assert "sees no GPU" in done.stderr and "driver 535.104.05" in done.stderr
+    assert "make setup" in done.stderr
