@@ -692,7 +692,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
     """
     from pipeline.serve import ServeError
 
-    suites.prepare_for(tasks)
+    tasks = suites.prepare_for(tasks)
     base_model = baseline_model(base)
     scored: dict[str, tuple[str, dict[str, TaskResult]]] = {}
     report: dict[str, dict[str, Any]] = {}

@@ -353,10 +353,14 @@ def prepare(force: bool = False, quiet: bool = False) -> list[Path]:
     return written
 
 
-def prepare_for(tasks: list[Task]) -> list[Path]:
-    """``prepare`` when one of ``tasks`` reads a prepared data file (else nothing is needed)."""
+def prepare_for(tasks: list[Task]) -> list[Task]:
+    """``tasks`` with their prepared data files written (when one reads such a file), read
+    again: a task's identity hashes its data, which did not exist before."""
     needed = {str(_rel(f)) for t in tasks for files in t.data_files.values() for f in files}
-    return prepare(quiet=False) if needed & set(PREPARED) else []
+    if not needed & set(PREPARED):
+        return tasks
+    prepare(quiet=False)
+    return [load_task(t.path, t.suite) if t.path != Path() else t for t in tasks]
 
 
 # ---------------------------------------------------------------------------- validation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import re
 from pathlib import Path
 
@@ -132,6 +133,23 @@ def test_prepared_standard_data() -> None:
     test = (data / "gsm8k_test.jsonl").read_text().splitlines()
     shots = (data / "gsm8k_fewshot.jsonl").read_text().splitlines()
     assert (len(test), len(shots)) == (1311, 8) and not set(test) & set(shots)
+
+
+def test_a_task_read_before_its_data_was_prepared_gets_its_identity_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval records each result with its task's identity, which hashes the data: a task read
+    before `prepare` wrote its file must not be recorded as 'the file was missing'."""
+    data = tmp_path / "evals" / "standard" / "data"
+    monkeypatch.setattr(paths, "EVALS_DIR", tmp_path / "evals")
+    shutil.copytree(paths.PROJECT_ROOT / "evals" / "standard", tmp_path / "evals" / "standard",
+                    ignore=shutil.ignore_patterns("data"))
+    monkeypatch.setattr(paths, "PROJECT_ROOT", tmp_path)  # data_files are relative to it
+    monkeypatch.setattr(suites, "prepare", lambda **_: (data.mkdir(parents=True, exist_ok=True),
+                                                        (data / "mmlu.jsonl").write_text("{}\n")))
+    (before,) = [t for t in suites.discover()["standard"] if t.name == "qpipe_mmlu"]
+    (after,) = suites.prepare_for([before])
+    (now,) = [t for t in suites.discover()["standard"] if t.name == "qpipe_mmlu"]
+    assert before.sha256 != after.sha256 == now.sha256
 
 
 def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
