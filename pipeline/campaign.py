@@ -32,10 +32,12 @@ from typing import Any
 import psutil
 import yaml
 
-from pipeline import baseline as baselines
-from pipeline import compare, hardware, jobs, paths, report, tracking
-from pipeline.errors import ConfigError, QpipeError, TrackingError
-from pipeline.serve import ServerPool, serve_target
+from pipeline.core import hardware, jobs, paths, tracking
+from pipeline.core.errors import ConfigError, QpipeError, TrackingError
+from pipeline.quantize import baseline as baselines
+from pipeline.report import compare
+from pipeline.report import render as report
+from pipeline.serve.server import ServerPool, serve_target
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
 STAGE = "campaign"
@@ -152,7 +154,8 @@ def stage_commands(campaign: Campaign, baseline: str, force: bool = False,
 def _quantize_check(argv: list[str], base: baselines.Baseline) -> tuple[bool, bool]:
     """(has work to do, calibrates) of a quantize stage. Its work runs in a fresh process (which
     measures its own peak memory); recipes that calibrate take minutes, data-free ones seconds."""
-    from pipeline import quantize, recipes
+    from pipeline.quantize import recipes
+    from pipeline.quantize import run as quantize
 
     args = _parse(argv)
     recipe = recipes.load(args.recipe)
@@ -179,7 +182,7 @@ def quantize_slots(base: baselines.Baseline, target: str, jobs_wanted: int | Non
         return max(1, int(os.environ["QPIPE_QUANTIZE_JOBS"]))
     if target != "cpu":
         return 1
-    from pipeline import checkpoint
+    from pipeline.quantize import checkpoint
 
     fp32 = 2 * checkpoint.measure(base.path).weight_bytes
     fits = int(psutil.virtual_memory().available // (3 * fp32 + 1.5 * 2**30))
@@ -329,7 +332,7 @@ def _versions() -> dict[str, str]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = "missing"
-    from pipeline.serve import vllm_version
+    from pipeline.serve.server import vllm_version
 
     out["vllm"] = vllm_version()
     return out
@@ -477,7 +480,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def evaluate_limit(value: str) -> int | str:
-    from pipeline.evaluate import parse_limit
+    from pipeline.eval.run import parse_limit
 
     return parse_limit(value)
 

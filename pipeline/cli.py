@@ -10,26 +10,28 @@ import argparse
 import importlib
 import sys
 
-from pipeline import interrupts
-from pipeline.errors import Interrupted, QpipeError
+from pipeline.core import interrupts
+from pipeline.core.errors import Interrupted, QpipeError
 
 # sub-command -> module with ``add_arguments(parser)`` and ``run(args) -> int`` (or, with a third
 # element X, ``add_X_arguments`` and ``run_X``).
 # Modules are imported only when their command runs: torch & co. load in seconds, not at --help.
 COMMANDS: dict[str, tuple[str, ...]] = {
-    "baseline": ("pipeline.baseline", "resolve the baseline model (convert the embedded one once)"),
-    "recipes": ("pipeline.recipes", "list the recipes and validate them"),
-    "quantize": ("pipeline.quantize", "quantize the baseline with a recipe (llmcompressor)"),
-    "bench": ("pipeline.bench", "serve variants through vLLM and load-test them"),
-    "eval": ("pipeline.evaluate", "score the baseline and variants with lm-eval; percent recovery"),
-    "gate": ("pipeline.gate", "fail if a variant's recovery falls below its recipe's threshold"),
-    "suites": ("pipeline.suites", "list and validate the lm-eval task suites in evals/"),
+    "baseline": ("pipeline.quantize.baseline",
+                 "resolve the baseline model (convert the embedded one once)"),
+    "recipes": ("pipeline.quantize.recipes", "list the recipes and validate them"),
+    "quantize": ("pipeline.quantize.run", "quantize the baseline with a recipe (llmcompressor)"),
+    "bench": ("pipeline.bench.run", "serve variants through vLLM and load-test them"),
+    "eval": ("pipeline.eval.run", "score the baseline and variants with lm-eval; percent recovery"),
+    "gate": ("pipeline.eval.gate",
+             "fail if a variant's recovery falls below its recipe's threshold"),
+    "suites": ("pipeline.eval.suites", "list and validate the lm-eval task suites in evals/"),
     "campaign": ("pipeline.campaign", "every stage for every recipe, then compare (make all)"),
     "compare": ("pipeline.campaign", "join the measured stages into one comparison, report and "
                 "MLflow parent run", "compare"),
-    "plan": ("pipeline.plan", "plan weight and KV-cache memory and concurrency from a config"),
-    "ui": ("pipeline.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
-    "doctor": ("pipeline.doctor", "this machine's CPU/GPU and vLLM build, and the formats it "
+    "plan": ("pipeline.plan.cli", "plan weight and KV-cache memory and concurrency from a config"),
+    "ui": ("pipeline.core.ui", "start the MLflow UI on 127.0.0.1 and stop it cleanly on Ctrl-C"),
+    "doctor": ("pipeline.serve.doctor", "this machine's CPU/GPU and vLLM build, and the formats it "
                "serves, and why"),
 }
 

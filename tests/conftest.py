@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import paths
+from pipeline.core import paths
 
 CALIBRATION = paths.CALIBRATION_DIR / "python-reference.jsonl"
 # A short sweep for a tiny model through vLLM CPU: two load points, two repeats.

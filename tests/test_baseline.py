@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import paths
-from pipeline.errors import OutputError
+from pipeline.core import paths
+from pipeline.core.errors import OutputError
+from pipeline.quantize import baseline as baselines
 
 
 def test_too_little_space_for_the_embedded_conversion_stops_before_writing(

@@ -8,19 +8,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import (
-    bench,
-    capacity,
-    evaluate,
-    hardware,
-    quantize,
-    recipes,
-    suites,
-    tracking,
-    workloads,
-)
-from pipeline.serve import EngineSettings, ServerPool, known_refusal, serve_python
+from pipeline.bench import run as bench
+from pipeline.bench import workloads
+from pipeline.core import hardware, tracking
+from pipeline.eval import run as evaluate
+from pipeline.eval import suites
+from pipeline.plan import capacity
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
+from pipeline.serve.server import EngineSettings, ServerPool, known_refusal, serve_python
 from tests.conftest import TINY_LOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
@@ -166,7 +163,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
                                   filter_string="tags.`qpipe.stage` = 'bench'")) == 2
 
     # The comparison joins this measurement to the variant's current checkpoint.
-    from pipeline import compare
+    from pipeline.report import compare
 
     rows = {r.name: r for r in compare.collect(base, ["int4"]).rows}
     assert rows["int4"].serving == "ok" and rows["int4"].comparable

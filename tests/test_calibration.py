@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import calibration, recipes
+from pipeline.quantize import calibration, recipes
 
 
 def test_a_request_beyond_the_data_is_said() -> None:

@@ -97,8 +97,8 @@ def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
 ) -> None:
     import os
 
-    from pipeline import baseline as baselines
     from pipeline import campaign
+    from pipeline.quantize import baseline as baselines
 
     base = baselines.resolve(str(tiny_model))
     monkeypatch.delenv("QPIPE_QUANTIZE_JOBS", raising=False)
@@ -111,7 +111,8 @@ def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
 
 
 def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Path) -> None:
-    from pipeline import campaign, jobs
+    from pipeline import campaign
+    from pipeline.core import jobs
 
     job = jobs.Job("quantize int8", [], tmp_path / "int8.log")
     job.log.write_text("Preparing cache\n")

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from pipeline import capacity
-from pipeline.capacity import (
+from pipeline.core.errors import PlanError
+from pipeline.core.paths import CONFIGS_DIR
+from pipeline.plan import capacity
+from pipeline.plan.capacity import (
     Matrix,
     PlanSettings,
     estimate_weights,
@@ -20,8 +22,6 @@ from pipeline.capacity import (
     shared_prefix_bytes,
     weight_formats,
 )
-from pipeline.errors import PlanError
-from pipeline.paths import CONFIGS_DIR
 
 GIB = 2**30
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline import checkpoint
+from pipeline.quantize import checkpoint
 
 
 def _model_dir(path: Path, tensors: dict[str, torch.Tensor], qconfig: dict | None = None) -> Path:

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import campaign, compare, gate, report, tracking
-from pipeline.errors import ConfigError
+from pipeline import campaign
+from pipeline.core import tracking
+from pipeline.core.errors import ConfigError
+from pipeline.eval import gate
+from pipeline.report import compare
+from pipeline.report import render as report
 
 
 def _row(name: str, speedup: float | None, status: str, low: float = 99.5,

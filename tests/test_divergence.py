@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import divergence
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.eval import divergence
 
 from .conftest import make_tiny_llama
 
@@ -96,8 +96,9 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
 @pytest.mark.slow
 def test_identical_models_scored_through_two_loads_flip_nothing(
         workspace: Path, tiny_model: Path, tmp_path: Path) -> None:
-    from pipeline import baseline as baselines
-    from pipeline import evaluate, suites
+    from pipeline.eval import run as evaluate
+    from pipeline.eval import suites
+    from pipeline.quantize import baseline as baselines
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model, copy)

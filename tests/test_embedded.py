@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import paths, quantize, recipes
+from pipeline.core import paths
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
 
 pytestmark = [pytest.mark.slow, pytest.mark.embedded]
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pipeline import engine_metrics
+from pipeline.serve import engine_metrics
 
 METRICS = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig

@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import evaluate, paths, quantize, recipes, suites, tracking
-from pipeline.errors import ConfigError
+from pipeline.core import paths, tracking
+from pipeline.core.errors import ConfigError
+from pipeline.eval import run as evaluate
+from pipeline.eval import suites
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
 
 from .conftest import run_cli
 

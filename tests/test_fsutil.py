@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import OutputError
-from pipeline.fsutil import atomic_dir, remove_stale_temp_dirs
+from pipeline.core.errors import OutputError
+from pipeline.core.fsutil import atomic_dir, remove_stale_temp_dirs
 
 
 def test_atomic_dir_appears_only_when_complete(tmp_path: Path) -> None:

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import evaluate, gate, quantize, recipes, recovery, suites
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.eval import gate, recovery, suites
+from pipeline.eval import run as evaluate
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
 
 
 def _entry(base: list[int], var: list[int], chance: float = 0.5, suite: str = "app",

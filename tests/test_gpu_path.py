@@ -9,18 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import (
-    bench,
-    campaign,
-    capacity,
-    compare,
-    engine_metrics,
-    evaluate,
-    hardware,
-    serve,
-    tracking,
-)
-from pipeline.serve import EngineSettings, VllmServer
+from pipeline import campaign
+from pipeline.bench import run as bench
+from pipeline.core import hardware, tracking
+from pipeline.eval import run as evaluate
+from pipeline.plan import capacity
+from pipeline.report import compare
+from pipeline.serve import engine_metrics
+from pipeline.serve import server as serve
+from pipeline.serve.server import EngineSettings, VllmServer
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import doctor, hardware
-from pipeline.errors import ConfigError
+from pipeline.core import hardware
+from pipeline.core.errors import ConfigError
+from pipeline.serve import doctor
 
 AVX2_ONLY = """processor\t: 0
 model name\t: AMD EPYC 7B12

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import jobs
+from pipeline.core import jobs
 
 
 def _job(tmp_path: Path, label: str, code: str) -> jobs.Job:

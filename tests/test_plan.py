@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import capacity, plan
-from pipeline.accelerators import get_accelerator, known_accelerators
 from pipeline.cli import main
-from pipeline.paths import PROJECT_ROOT
+from pipeline.core.paths import PROJECT_ROOT
+from pipeline.plan import capacity
+from pipeline.plan import cli as plan
+from pipeline.plan.accelerators import get_accelerator, known_accelerators
 
 GB = 10**9
 # what `make plan MODEL=gpt-oss-120b GPU=h100-80gb ... WEIGHTS=mxfp4 KV_DTYPE=bf16` passes

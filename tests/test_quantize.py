@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import capacity, paths, quantize, recipes, tracking
-from pipeline.errors import OutputError, RecipeError
+from pipeline.core import paths, tracking
+from pipeline.core.errors import OutputError, RecipeError
+from pipeline.plan import capacity
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
 
 from .conftest import run_cli
 

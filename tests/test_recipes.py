@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import paths, recipes
-from pipeline.errors import RecipeError
+from pipeline.core import paths
+from pipeline.core.errors import RecipeError
+from pipeline.quantize import recipes
 
 SHIPPED = ["fp8", "int4", "int8", "mxfp4"]
 

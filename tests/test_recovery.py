@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import recovery
+from pipeline.eval import recovery
 
 
 def test_ratio_is_variant_over_baseline_times_100() -> None:

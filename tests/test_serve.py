@@ -11,7 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.serve import EngineSettings, ServeError, UnsupportedFormat, VllmServer, failure_reason
+from pipeline.serve.server import (
+    EngineSettings,
+    ServeError,
+    UnsupportedFormat,
+    VllmServer,
+    failure_reason,
+)
 
 # A stand-in server: GET answers 200 (/health, /metrics); POST calls the scenario's handler.
 HTTP_FAKE = """

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline import paths
+from pipeline.core import paths
 
 FAKE_SMI = """#!/bin/sh
 case "$*" in

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import divergence, paths, suites
-from pipeline.errors import ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
+from pipeline.eval import divergence, suites
 
 from .conftest import CALIBRATION, run_cli
 

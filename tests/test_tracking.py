@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import baseline as baselines
-from pipeline import quantize, recipes, tracking
-from pipeline.errors import TrackingError
+from pipeline.core import tracking
+from pipeline.core.errors import TrackingError
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
+from pipeline.quantize import run as quantize
 from tests.conftest import run_cli
 
 

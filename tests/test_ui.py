@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import paths
-from pipeline.ui import port_is_free
+from pipeline.core import paths
+from pipeline.core.ui import port_is_free
 
 pytestmark = pytest.mark.slow
 

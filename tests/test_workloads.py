@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import workloads
-from pipeline.errors import ConfigError
+from pipeline.bench import workloads
+from pipeline.core.errors import ConfigError
 
 
 def test_shipped_workloads_load_and_describe_a_client_run() -> None:

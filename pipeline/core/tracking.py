@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from pipeline import paths
-from pipeline.errors import TrackingError
+from pipeline.core import paths
+from pipeline.core.errors import TrackingError
 
 EXPERIMENT_PREFIX = "qpipe/"
 

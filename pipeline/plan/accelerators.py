@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.errors import PlanError
-from pipeline.paths import CONFIGS_DIR
+from pipeline.core.errors import PlanError
+from pipeline.core.paths import CONFIGS_DIR
 
 ACCELERATORS_DIR = CONFIGS_DIR / "accelerators"
 GIB = 2**30

@@ -118,7 +118,7 @@ def forced_isa() -> str:
     """The ISA the serving processes are made to see (``QPIPE_VLLM_CPU_ISA``), or native."""
     value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if value not in ISAS:
-        from pipeline.errors import ConfigError
+        from pipeline.core.errors import ConfigError
 
         raise ConfigError(f"{ISA_ENV}={value!r} is not one of {', '.join(ISAS)} (VLLM_CPU_ISA= "
                           "in make): avx2 makes vLLM CPU load its AVX2 kernels on any x86 CPU.")
@@ -178,7 +178,7 @@ def _profile(target: str, isa: str, vllm: str) -> Profile:
 
 def profile() -> Profile:
     """This machine as the serving engine sees it (cached per target, forced ISA and vLLM)."""
-    from pipeline.serve import serve_target, vllm_version
+    from pipeline.serve.server import serve_target, vllm_version
 
     return _profile(serve_target(), forced_isa(), vllm_version())
 

@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline import interrupts
-from pipeline.errors import OutputError
+from pipeline.core import interrupts
+from pipeline.core.errors import OutputError
 
 TEMP_PREFIX = ".tmp-"
 

@@ -20,16 +20,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline import baseline as baselines
-from pipeline import checkpoint, paths, recipes, tracking
-from pipeline.errors import QuantizeError, RecipeError
-from pipeline.fsutil import (
+from pipeline.core import paths, tracking
+from pipeline.core.errors import QuantizeError, RecipeError
+from pipeline.core.fsutil import (
     atomic_dir,
     check_free_space,
     read_json,
     remove_stale_temp_dirs,
     write_json_atomic,
 )
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint, recipes
 
 MANIFEST = checkpoint.MANIFEST
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
@@ -182,7 +183,7 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline import calibration
+    from pipeline.quantize import calibration
 
     llm_recipe = recipes.instantiate(recipe)
     tokenizer = AutoTokenizer.from_pretrained(base.path)

@@ -11,8 +11,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths
-from pipeline.errors import BaselineError, ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import BaselineError, ConfigError
 
 MANIFEST = "qpipe_manifest.json"
 

@@ -15,11 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import capacity
-from pipeline.accelerators import GIB, get_accelerator
-from pipeline.capacity import CapacityPlan, PlanSettings
-from pipeline.errors import PlanError
-from pipeline.paths import CONFIGS_DIR, PROJECT_ROOT
+from pipeline.core.errors import PlanError
+from pipeline.core.paths import CONFIGS_DIR, PROJECT_ROOT
+from pipeline.plan import capacity
+from pipeline.plan.accelerators import GIB, get_accelerator
+from pipeline.plan.capacity import CapacityPlan, PlanSettings
 
 MODELS_DIR = CONFIGS_DIR / "models"
 DEFAULT_RESERVE_GB = 2.0  # activations at the profiled batch, CUDA graphs, NCCL/cuBLAS workspaces

@@ -27,9 +27,11 @@ from typing import Any
 
 import psutil
 
-from pipeline import hardware, paths
-from pipeline.errors import QpipeError
+from pipeline.core import hardware, paths
+from pipeline.core.errors import QpipeError
 
+# Scripts run by the serving environment's Python (they import only vLLM and torch).
+WORKERS_DIR = Path(__file__).with_name("workers")
 # Error lines of a failed engine that say it cannot run a format on this hardware.
 UNSUPPORTED_PATTERNS = (
     r"Failed to find a kernel",
@@ -145,7 +147,7 @@ def known_refusal(identity: str) -> str | None:
     """The reason this vLLM already gave, on this hardware (its profile key: CPU ISA class or
     GPU model and compute capability), for not serving the checkpoint ``identity``; None if
     it never refused it. Spares a minute-long failed start."""
-    from pipeline.fsutil import read_json
+    from pipeline.core.fsutil import read_json
 
     known = read_json(_refusal_file(identity))
     return known.get("reason") if known.get("vllm") == vllm_version() else None
@@ -155,7 +157,7 @@ def remember_refusal(identity: str, reason: str) -> None:
     """Remembered the moment it happens: a run that dies later still keeps what it learnt."""
     from datetime import datetime, timezone
 
-    from pipeline.fsutil import write_json_atomic
+    from pipeline.core.fsutil import write_json_atomic
 
     write_json_atomic(_refusal_file(identity), {
         "vllm": vllm_version(), "reason": reason, "hardware": hardware.profile().describe(),

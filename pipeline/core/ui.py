@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 
-from pipeline import paths
-from pipeline.errors import ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

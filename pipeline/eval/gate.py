@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import baseline as baselines
-from pipeline import checkpoint, evaluate, paths, recipes, recovery, suites
-from pipeline.errors import ConfigError, QpipeError, RecipeError
-from pipeline.fsutil import read_json
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError, QpipeError, RecipeError
+from pipeline.core.fsutil import read_json
+from pipeline.eval import recovery, suites
+from pipeline.eval import run as evaluate
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint, recipes
 
 LEVELS = ("suite", "task")
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"

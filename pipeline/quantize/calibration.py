@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
-from pipeline.recipes import Calibration
+from pipeline.core.errors import ConfigError
+from pipeline.quantize.recipes import Calibration
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

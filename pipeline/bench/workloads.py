@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from pipeline import paths
-from pipeline.errors import ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 DEFAULT_WORKLOADS = ("chat", "prefix")

@@ -16,11 +16,10 @@ import argparse
 import json
 import subprocess
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from pipeline import hardware, paths
-from pipeline.fsutil import read_json
+from pipeline.core import hardware, paths
+from pipeline.core.fsutil import read_json
 
 SERVES, UNSUPPORTED, PARTIAL, UNKNOWN = "serves", "unsupported", "serves (degraded)", "unknown"
 SOURCE = "vLLM 0.32 source"
@@ -105,7 +104,7 @@ def cuda_support(prof: hardware.Profile) -> list[Support]:
 
 def probe_kernels(prof: hardware.Profile) -> dict[str, Any] | None:
     """The vLLM CPU kernel library and its ops, as a server here would load them."""
-    from pipeline.serve import serve_python
+    from pipeline.serve.server import WORKERS_DIR, serve_python
 
     if prof.target != "cpu" or not serve_python().exists():
         return None
@@ -114,7 +113,7 @@ def probe_kernels(prof: hardware.Profile) -> dict[str, Any] | None:
     env = {**os.environ, **hardware.serving_environment(prof.vllm_cpu_isa)}
     try:
         out = subprocess.run([str(serve_python()),
-                              str(Path(__file__).with_name("vllm_kernel_probe.py"))],
+                              str(WORKERS_DIR / "vllm_kernel_probe.py")],
                              capture_output=True, text=True, timeout=300, env=env)
     except (OSError, subprocess.SubprocessError):
         return None

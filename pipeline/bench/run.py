@@ -25,12 +25,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pipeline import baseline as baselines
-from pipeline import capacity, checkpoint, engine_metrics, hardware, paths, tracking
-from pipeline import workloads as workloads_mod
-from pipeline.errors import ConfigError
-from pipeline.fsutil import atomic_dir, read_json
-from pipeline.serve import (
+from pipeline.bench import workloads as workloads_mod
+from pipeline.bench.workloads import Workload
+from pipeline.core import hardware, paths, tracking
+from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import atomic_dir, read_json
+from pipeline.plan import capacity
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint
+from pipeline.serve import engine_metrics
+from pipeline.serve.server import (
+    WORKERS_DIR,
     EngineSettings,
     ServeError,
     ServerPool,
@@ -43,7 +48,6 @@ from pipeline.serve import (
     serve_python,
     vllm_version,
 )
-from pipeline.workloads import Workload
 
 STAGE = "bench"
 # Every load point is logged as a step (step = concurrency) under "sweep.<metric>"; the plain
@@ -107,7 +111,7 @@ class BenchClient:
     def _start(self) -> None:
         with self.log.open("ab") as stderr:
             self.proc = subprocess.Popen(
-                [str(serve_python()), str(Path(__file__).with_name("vllm_bench_worker.py"))],
+                [str(serve_python()), str(WORKERS_DIR / "vllm_bench_worker.py")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 env=self.env, start_new_session=True)
         self._answer(timeout=300)  # {"ready": true} once vLLM is imported
@@ -637,7 +641,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
     With a ``pool``, the servers of the speed sweeps (prefix caching off) stay up in it for
     the next stage.
     """
-    from pipeline.serve import serve_target
+    from pipeline.serve.server import serve_target
 
     target = target or serve_target()
     settings = settings.resolved(target)  # eager on CPUs, compiled on GPUs: recorded as such

@@ -17,9 +17,9 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline import paths
-from pipeline.errors import BaselineError
-from pipeline.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
+from pipeline.core import paths
+from pipeline.core.errors import BaselineError
+from pipeline.core.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
 
 EMBEDDED_ALIASES = ("smollm2-135m-instruct", "embedded")
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

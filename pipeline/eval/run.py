@@ -29,14 +29,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import baseline as baselines
-from pipeline import checkpoint, divergence, hardware, paths, recovery, suites, tracking
-from pipeline.errors import QpipeError
-from pipeline.fsutil import atomic_dir, read_json, write_json_atomic
-from pipeline.serve import EngineSettings, add_engine_arguments, engine_settings_from
+from pipeline.core import hardware, paths, tracking
+from pipeline.core.errors import QpipeError
+from pipeline.core.fsutil import atomic_dir, read_json, write_json_atomic
+from pipeline.eval import divergence, recovery, suites
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint
+from pipeline.serve.server import EngineSettings, add_engine_arguments, engine_settings_from
 
 if TYPE_CHECKING:
-    from pipeline.serve import ServerPool
+    from pipeline.serve.server import ServerPool
 
 STAGE = "eval"
 SERVED = "served"  # local-completions against vLLM: the serving numerics
@@ -164,7 +166,7 @@ def _max_model_len(model: Model, settings: Settings) -> int:
 def engine_for(model: Model, settings: Settings) -> EngineSettings:
     """The engine settings a served model is scored with: the campaign's (or eval's) own, its
     context capped at the model's, every automatic choice made for this host."""
-    from pipeline.serve import serve_target
+    from pipeline.serve.server import serve_target
 
     return replace(settings.engine, max_model_len=_max_model_len(model, settings)).resolved(
         serve_target())
@@ -222,7 +224,7 @@ def lm_eval_command(model: Model, task: suites.Task, backend: str, settings: Set
 
 def serve_command(model: Model, settings: Settings) -> str:
     """The ``vllm serve`` command for the hand-made served run (port 8000)."""
-    from pipeline.serve import VllmServer
+    from pipeline.serve.server import VllmServer
 
     server = VllmServer(Path(_shown(model.path)), model.served_name,
                         engine_for(model, settings), Path("/dev/null"))
@@ -320,7 +322,7 @@ def _lm(model: Model, backend: str, settings: Settings, log_dir: Path,
     """(model or its name, model_args) for simple_evaluate; serves the model when SERVED
     (through the pool's server when it holds one started with the same settings)."""
     if backend == SERVED:
-        from pipeline.serve import VllmServer
+        from pipeline.serve.server import VllmServer
 
         engine = engine_for(model, settings)
         running = pool.get(model.path, model.served_name, engine, any_caching=True) \
@@ -380,7 +382,7 @@ def score_variant(base_name: str, model: Model, tasks: list[suites.Task], settin
                   force: bool = False, pool: ServerPool | None = None
                   ) -> tuple[str, dict[str, TaskResult]]:
     """Served when vLLM serves this format here (or ``--backend``), else emulated."""
-    from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
+    from pipeline.serve.server import UnsupportedFormat, known_refusal, remember_refusal
 
     if settings.backend == "hf":
         return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
@@ -655,7 +657,7 @@ def resolve_tasks(suite_names: list[str] | None, task_names: list[str] | None) -
 def _score_baseline(base: baselines.Baseline, model: Model, tasks: list[suites.Task],
                     backend: str, settings: Settings, force: bool, pool: ServerPool | None
                     ) -> dict[str, TaskResult]:
-    from pipeline.serve import UnsupportedFormat
+    from pipeline.serve.server import UnsupportedFormat
 
     try:
         return score(base.name, model, tasks, backend, settings, force, pool)
@@ -690,7 +692,7 @@ def evaluate(base: baselines.Baseline, variants: list[Model], tasks: list[suites
 
     A ``pool`` (a campaign's) lends servers its bench stage left running.
     """
-    from pipeline.serve import ServeError
+    from pipeline.serve.server import ServeError
 
     tasks = suites.prepare_for(tasks)
     base_model = baseline_model(base)

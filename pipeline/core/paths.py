@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 EVALS_DIR = PROJECT_ROOT / "evals"
 CONFIGS_DIR = PROJECT_ROOT / "configs"

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import paths
-from pipeline.errors import ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
 
 HELDOUT = paths.EVALS_DIR / "_heldout" / "heldout.txt"
 SEQ_LEN = 512
@@ -136,7 +136,7 @@ def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path 
     most of the cost: ~3 s per 512-token window of a 135M model in bf16 on 2 cores)."""
     from transformers import AutoTokenizer
 
-    from pipeline.fsutil import write_json_atomic
+    from pipeline.core.fsutil import write_json_atomic
 
     results = {variant_dir: Divergence(**json.loads(cache.read_text()))
                for variant_dir, cache in variants.items() if cache.is_file()}

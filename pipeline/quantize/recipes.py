@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from pipeline import paths
-from pipeline.errors import RecipeError
+from pipeline.core import paths
+from pipeline.core.errors import RecipeError
 
 QPIPE_KEY = "qpipe"
 CALIBRATION_KEYS = {"dataset", "num_samples", "max_seq_length", "seed"}

@@ -20,12 +20,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import baseline as baselines
-from pipeline import capacity, checkpoint, evaluate, gate, paths, tracking
-from pipeline.accelerators import detect as detect_accelerator
-from pipeline.accelerators import get_accelerator
-from pipeline.errors import ConfigError, PlanError
-from pipeline.fsutil import read_json
+from pipeline.core import paths, tracking
+from pipeline.core.errors import ConfigError, PlanError
+from pipeline.core.fsutil import read_json
+from pipeline.eval import gate
+from pipeline.eval import run as evaluate
+from pipeline.plan import capacity
+from pipeline.plan.accelerators import detect as detect_accelerator
+from pipeline.plan.accelerators import get_accelerator
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint
 
 BASELINE = "baseline"
 SERVED, EMULATED = evaluate.SERVED, evaluate.EMULATED
@@ -288,7 +292,7 @@ def collect(base: baselines.Baseline, recipes: list[str] | None = None,
         raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)} "
                           "(OBJECTIVE= in make, --objective in the CLI).")
 
-    from pipeline import hardware
+    from pipeline.core import hardware
 
     target, plan_note = (target or PlanTarget()).resolved(hardware.profile())
     base_bytes = checkpoint.measure(base.path).weight_bytes

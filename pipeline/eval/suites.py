@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from pipeline import paths
-from pipeline.errors import ConfigError
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
 
 # Extra keys qpipe reads from a task's ``metadata`` (lm-eval ignores them).
 META_LIMIT = "qpipe_limit"  # items scored by default (LIMIT= overrides)

@@ -13,9 +13,10 @@ import io
 from pathlib import Path
 from typing import Any
 
-from pipeline import capacity, tracking
-from pipeline.compare import BASELINE, EMULATED, Comparison, Row
-from pipeline.fsutil import atomic_dir
+from pipeline.core import tracking
+from pipeline.core.fsutil import atomic_dir
+from pipeline.plan import capacity
+from pipeline.report.compare import BASELINE, EMULATED, Comparison, Row
 
 FILES = ("report.html", "comparison.md", "comparison.csv", "comparison.json")
 
@@ -133,7 +134,7 @@ def _plan_line(comparison: Comparison) -> str:
 
 
 def _notes(comparison: Comparison) -> list[str]:
-    from pipeline.compare import OBJECTIVE_TEXT
+    from pipeline.report.compare import OBJECTIVE_TEXT
 
     out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
            "(OBJECTIVE=speed|memory|capacity)"]

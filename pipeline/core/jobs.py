@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import QpipeError
+from pipeline.core.errors import QpipeError
 
 
 class JobFailed(QpipeError):

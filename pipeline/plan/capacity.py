@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.errors import PlanError
+from pipeline.core.errors import PlanError
 
 # --- metric names: the one place they are spelled (JSON keys, MLflow metrics) ----------------
 KV_BYTES_PER_TOKEN = "planned_kv_bytes_per_token"
