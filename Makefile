@@ -71,8 +71,11 @@ SERVE_KIND := $(shell SERVE_TARGET=$(SERVE_TARGET) scripts/setup.sh target)
 SERVE_STAMP := .stamps/serve-$(SERVE_KIND)
 
 opt = $(if $(2),$(1) $(2))
+# the vLLM engine, the same for every server bench and eval start
+ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
+  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
 
-.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test lint clean
+.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -96,10 +99,7 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(call opt,--repeats,$(REPEATS)) $(call opt,--gpu,$(PLAN_GPU)) \
 	  $(call opt,--context,$(PLAN_CONTEXT)) $(if $(FORCE),--force) \
 	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) $(call opt,--objective,$(OBJECTIVE)) \
-	  $(if $(MAX_MODEL_LEN),--engine-arg=--max-model-len=$(MAX_MODEL_LEN)) \
-	  $(if $(KV_CACHE_GIB),--engine-arg=--kv-cache-gib=$(KV_CACHE_GIB)) \
-	  $(if $(GPU_UTIL),--engine-arg=--gpu-memory-utilization=$(GPU_UTIL)) \
-	  $(foreach a,$(VLLM_ARGS),--engine-arg=--vllm-arg=$(a)) \
+	  $(ENGINE_OPTS) \
 	  $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
 	  $(call opt,--calib-data,$(CALIB_DATA))
 
@@ -131,16 +131,12 @@ quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4
 bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (default: baseline and every variant on disk)
 	@$(QPIPE) bench --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(foreach w,$(WORKLOAD),--workload $(w)) $(call opt,--repeats,$(REPEATS)) \
-	  $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
-	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(if $(FORCE),--force) \
-	  $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
+	  $(if $(FORCE),--force) $(ENGINE_OPTS)
 
 eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
 	@$(QPIPE) eval --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
-	  $(call opt,--backend,$(BACKEND)) $(if $(FORCE),--force) \
-	  $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
-	  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
+	  $(call opt,--backend,$(BACKEND)) $(if $(FORCE),--force) $(ENGINE_OPTS)
 
 gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
 	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
@@ -158,12 +154,15 @@ plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS 
 ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-C stops it)
 	@$(QPIPE) ui --port $(MLFLOW_PORT)
 
-test: $(PIPELINE_STAMP) $(SERVE_STAMP) ## run the test suite (unit, end-to-end on a tiny model, embedded model)
-	@$(VENV)/bin/ruff check pipeline tests scripts
+test: $(PIPELINE_STAMP) $(SERVE_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-lint: $(PIPELINE_STAMP) ## ruff
+test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 2 minutes): no model, no server, no service
+	@$(VENV)/bin/python -m pytest -m "not slow and not serve and not embedded and not services" $(PYTEST_ARGS)
+
+lint: $(PIPELINE_STAMP) ## ruff, and the layer contract (no stage imports one above it)
 	@$(VENV)/bin/ruff check pipeline tests scripts
+	@$(VENV)/bin/lint-imports
 
 clean: ## remove generated artifacts (keeps the environments and mlflow.db)
 	rm -rf $(ARTIFACTS)

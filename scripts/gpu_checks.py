@@ -7,13 +7,13 @@ exits 1 if any failed. Every check names the issue item it covers (GPU path: 1-1
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = Path(os.environ.get("QPIPE_ARTIFACTS", ROOT / "artifacts"))
+from pipeline.core.artifacts import SERVED, BenchSummary, Comparison, RecoverySummary
+from pipeline.core.paths import artifacts_dir
+
+ARTIFACTS = artifacts_dir()
 results: list[tuple[bool, str]] = []
 
 
@@ -32,19 +32,20 @@ def main() -> int:
     if summary_path is None:
         print("[gpu-check] no bench summary under", ARTIFACTS, "- run the bench first")
         return 1
-    summary = json.loads(summary_path.read_text())
-    hw = summary.get("hardware", {})
-    check(summary.get("target") == "cuda" and hw.get("key", "").startswith("cuda-"),
+    summary = BenchSummary.read(summary_path)
+    assert summary is not None
+    hw = summary.hardware
+    check(summary.target == "cuda" and hw.get("key", "").startswith("cuda-"),
           f"bench ran on CUDA, hardware key {hw.get('key')} (7: caches keyed by GPU model)")
     gpus = hw.get("gpus") or [{}]
     cc = float(gpus[0].get("compute_capability") or 0)
-    check(summary.get("speedup_pairing", "").startswith("sequential"),
+    check(summary.speedup_pairing.startswith("sequential"),
           "speedups labelled sequential on a GPU, not 'interleaved'")
-    for name, entry in summary.get("models", {}).items():
-        if entry.get("status") != "ok":
-            print(f"[gpu-check] note {name}: {entry.get('status')}: {entry.get('reason')}")
+    for name, entry in summary.models.items():
+        if entry.status != "ok":
+            print(f"[gpu-check] note {name}: {entry.status}: {entry.reason}")
             continue
-        engine, kv = entry.get("engine", {}), entry.get("kv", {})
+        engine, kv = entry.engine, entry.kv
         check(engine.get("enforce_eager") is False,
               f"{name}: served compiled with CUDA graphs, not eager (1)")
         check(engine.get("kv_budget_source", "").startswith("engine log"),
@@ -55,23 +56,24 @@ def main() -> int:
         check(bool(engine.get("engine_weight_memory_bytes")),
               f"{name}: weight memory from 'Model loading took': "
               f"{engine.get('engine_weight_memory_bytes')} B (3)")
-        if entry.get("format") == "float-quantized":
+        if entry.format == "float-quantized":
             weight_only = bool(engine.get("fp8_weight_only"))
             check(weight_only == (cc < 8.9),
                   f"{name}: scheme {engine.get('scheme')!r} at compute capability {cc} (4)")
-        sweep = next(iter(entry.get("workloads", {}).values()), {})
-        check(sweep.get("prefix_cache_hit_tokens", 1) == 0,
+        sweep = next(iter(entry.workloads.values()), None)
+        check(sweep is not None and sweep.prefix_cache_hit_tokens == 0,
               f"{name}: the headline sweep was cold (0 prefix-cache hit tokens)")
-    served = [p.parent.name for p in ARTIFACTS.glob("evals/*/*/recovery.json")
-              if any(t.get("backend") == "served"
-                     for t in json.loads(p.read_text()).get("tasks", {}).values())]
+    recoveries = [RecoverySummary.read(p) for p in ARTIFACTS.glob(
+        f"evals/*/*/{RecoverySummary.FILE}")]
+    served = [r.recipe or "?" for r in recoveries
+              if r is not None and any(t.backend == SERVED for t in r.tasks.values())]
     check(bool(served), f"eval scored through the GPU vLLM server: {', '.join(served) or 'none'}")
-    report = newest("reports/*/comparison.json")
-    if report is not None:
-        comparison = json.loads(report.read_text())
-        check(comparison.get("plan_note", "x") == "",
-              f"planned for this machine's card: {comparison.get('plan_target', {}).get('gpu')} "
-              f"{comparison.get('plan_target', {}).get('memory_gb') or ''} (6)")
+    report = newest(f"reports/*/{Comparison.FILE}")
+    comparison = Comparison.read(report) if report is not None else None
+    if comparison is not None:
+        target = comparison.plan_target
+        check(comparison.plan_note == "",
+              f"planned for this machine's card: {target.gpu} {target.memory_gb or ''} (6)")
     divergence = newest("evals/*/divergence/*-cuda.json")
     check(divergence is not None, "held-out divergence ran on the GPU (10)")
     failed = [what for ok, what in results if not ok]

@@ -28,6 +28,21 @@ seed: 7
 """
 
 
+# fixtures that make a test slow (a model made, loaded or served) or need a system service
+SLOW_FIXTURES = {"tiny_model"}
+SERVICE_FIXTURES = {"postgres_uri", "chromium_path", "mlflow_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark by what a test uses, so `make test-fast` cannot pick up a slow one by omission."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if used & SERVICE_FIXTURES:
+            item.add_marker(pytest.mark.services)
+
+
 @pytest.fixture
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Artifacts and the MLflow store under a temp dir, as ARTIFACTS= / MLFLOW_TRACKING_URI= do."""

@@ -8,16 +8,22 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.bench import run as bench
+from pipeline.bench import stage as bench
 from pipeline.bench import workloads
+from pipeline.bench.measure import HIT_TOLERANCE
+from pipeline.bench.summary import SWEEP
+from pipeline.bench.table import format_table
 from pipeline.core import hardware, tracking
-from pipeline.eval import run as evaluate
-from pipeline.eval import suites
+from pipeline.core.artifacts import BenchSummary
+from pipeline.core.provenance import serve_python
+from pipeline.core.variant import variants_of
+from pipeline.eval import EvalSettings, lm, suites
+from pipeline.eval import stage as evaluate
 from pipeline.plan import capacity
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
-from pipeline.serve.server import EngineSettings, ServerPool, known_refusal, serve_python
+from pipeline.quantize import stage as quantize
+from pipeline.serve import EngineSettings, ServerPool, VllmServer, known_refusal
 from tests.conftest import TINY_LOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
@@ -58,8 +64,21 @@ def served_setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("bench")
 
 
+def _count_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The served names of the vLLM servers started from now on."""
+    started: list[str] = []
+    start = VllmServer.start
+
+    def counted(server: VllmServer) -> None:
+        started.append(server.served_name)
+        start(server)
+
+    monkeypatch.setattr(VllmServer, "start", counted)
+    return started
+
+
 def test_bench_measures_baseline_and_variant_through_vllm(
-    tiny_model: Path, workspace: Path, served_setup: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model: Path, workspace: Path, served_setup: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base = baselines.resolve(str(tiny_model))
     quantize.quantize(base, recipes.load("int4").with_calibration(num_samples=4,
@@ -75,53 +94,52 @@ def test_bench_measures_baseline_and_variant_through_vllm(
                 (("baseline", base.path), ("int4", workspace / "artifacts" / "variants" /
                                            base.name / "int4"))]
         assert all(server is not None and server.healthy() for server in kept)
-        bench_out = capsys.readouterr().out
-        scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
+        started = _count_starts(monkeypatch)
+        scored = evaluate.evaluate(base, variants_of(base, ["int4"]),
                                    suites.select(tasks=["app_facts"]),
-                                   evaluate.Settings(limit=4, engine=settings),
-                                   with_divergence=False, track=False, pool=pool)
-        out = capsys.readouterr().out
+                                   EvalSettings(limit=4, engine=settings, divergence=False),
+                                   track=False, pool=pool)
         served = hardware.profile().kernel_library != "_C_AVX2"
-        assert out.count("scoring through the running vLLM server") == 1 + served, out
-        assert "starting vLLM" not in out
-        assert scored["int4"]["backend"] == (evaluate.SERVED if served else evaluate.EMULATED)
-        assert len(scored["int4"]["results"]["app_facts"].per_item["acc,none"]) == 4
+        assert started == []  # eval scored through the servers bench left in the pool
+        assert scored["int4"].backend == (lm.SERVED if served else lm.EMULATED)
+        assert scored["baseline (served)"].backend == lm.SERVED
+        assert len(scored["int4"].results["app_facts"].per_item["acc,none"]) == 4
 
     assert _vllm_processes() == [], "a server outlived the run"
     if hardware.profile().kernel_library == "_C_AVX2":
         # This CPU has no AVX-512: vLLM CPU's AVX2 kernels cannot run W4A16. The unsupported
         # path is checked instead (test_avx2_... checks it on every machine).
-        assert summary["int4"]["status"] == "unsupported"
-        assert "cpu_gemm_wna16" in summary["int4"]["reason"]
-        assert scored["int4"]["backend"] == evaluate.EMULATED
+        assert summary.models["int4"].status == "unsupported"
+        assert "cpu_gemm_wna16" in summary.models["int4"].reason
+        assert scored["int4"].backend == lm.EMULATED
         return
     for name in ("baseline", "int4"):
-        entry = summary[name]
-        assert entry["status"] == "ok", entry["reason"]
-        stats = entry["workloads"]["tiny"]["points"][2]
+        entry = summary.models[name]
+        assert entry.status == "ok", entry.reason
+        stats = entry.workloads["tiny"].points[2]
         for metric in (tracking.OUTPUT_TOKENS_PER_S, tracking.REQUESTS_PER_S,
                        tracking.TTFT_MS_P50, tracking.TTFT_MS_P99, tracking.ITL_MS_P50,
                        tracking.ITL_MS_P99, tracking.E2E_MS_P50):
             assert stats[metric] > 0, metric
         assert stats[f"{tracking.OUTPUT_TOKENS_PER_S}_min"] <= stats[
             tracking.OUTPUT_TOKENS_PER_S] <= stats[f"{tracking.OUTPUT_TOKENS_PER_S}_max"]
-        assert entry["peak_memory_bytes"] > 100e6
+        assert entry.peak_memory_bytes > 100e6
         # The planner's prediction of vLLM's KV cache (issue: within 1%).
-        assert abs(entry["kv"][tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
-        assert entry["kv"][tracking.KV_CACHE_TOKENS] == entry["kv"][capacity.KV_CACHE_TOKENS]
+        assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
+        assert entry.kv[tracking.KV_CACHE_TOKENS] == entry.kv[capacity.KV_CACHE_TOKENS]
         # the speed sweep is cold: the engine's counters saw prompts and not one cache hit
-        sweep = entry["workloads"]["tiny"]
-        assert sweep["prefix_cache_hit_tokens"] == 0 and sweep[tracking.PREFIX_CACHE_HIT_RATE] == 0
+        sweep = entry.workloads["tiny"]
+        assert sweep.prefix_cache_hit_tokens == 0 and sweep.prefix_cache_hit_rate == 0
     # prefix reuse, on the baseline only: hits where the prefix allows them, and no more
-    base_prefix = summary["baseline"]["workloads"]
+    base_prefix = summary.models["baseline"].workloads
     on = base_prefix["tinyprefix"]
-    assert 0.2 < on[tracking.PREFIX_CACHE_HIT_RATE] <= on[
-        tracking.PREFIX_CACHE_EXPECTED_HIT_RATE] + bench.HIT_TOLERANCE
-    assert base_prefix["tinyprefix_nocache"][tracking.PREFIX_CACHE_HIT_RATE] == 0
-    assert "tinyprefix" not in summary["int4"]["workloads"]
+    assert on.prefix_cache_expected_hit_rate is not None
+    assert 0.2 < on.prefix_cache_hit_rate <= on.prefix_cache_expected_hit_rate + HIT_TOLERANCE
+    assert base_prefix["tinyprefix_nocache"].prefix_cache_hit_rate == 0
+    assert "tinyprefix" not in summary.models["int4"].workloads
     # the speedup is the median of the per-repeat ratios, and lies within their spread;
     # recomputed here from vLLM's own result files, one per run
-    int4 = summary["int4"]["workloads"]["tiny"]["points"][2]
+    int4 = summary.models["int4"].workloads["tiny"].points[2]
     run_files = next((workspace / "artifacts" / "bench" / base.name).glob("*/runs"))
     ratios = sorted(
         json.loads((run_files / f"int4-tiny-c2-r{r}.json").read_text())["output_throughput"]
@@ -130,8 +148,9 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert int4[f"{tracking.SPEEDUP}_min"] == pytest.approx(ratios[0])
     assert int4[f"{tracking.SPEEDUP}_max"] == pytest.approx(ratios[-1])
     assert ratios[0] <= int4[tracking.SPEEDUP] <= ratios[-1]
-    assert "speedup" not in summary["baseline"]["workloads"]["tiny"]["points"][2]
-    assert "tiny (concurrency 2" in bench_out and "prefix caching off" in bench_out
+    assert "speedup" not in summary.models["baseline"].workloads["tiny"].points[2]
+    table = format_table(summary, loads)
+    assert "tiny (concurrency 2" in table and "prefix caching off" in table
 
     import mlflow
 
@@ -149,16 +168,17 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert runs["bench:baseline"].data.metrics["tinyprefix.prefix_cache_hit_rate"] > 0.2
     client = mlflow.MlflowClient()
     history = client.get_metric_history(runs["bench:int4"].info.run_id,
-                                        f"{bench.SWEEP}{tracking.OUTPUT_TOKENS_PER_S}")
+                                        f"{SWEEP}{tracking.OUTPUT_TOKENS_PER_S}")
     assert sorted(m.step for m in history) == [1, 2]
     headline = client.get_metric_history(runs["bench:int4"].info.run_id,
                                          tracking.OUTPUT_TOKENS_PER_S)
     assert [m.value for m in headline] == [pytest.approx(int4[tracking.OUTPUT_TOKENS_PER_S])]
 
     # Nothing changed: the measurement is reused, not repeated, and not logged twice.
+    started = _count_starts(monkeypatch)
     again = bench.bench(base, ["int4"], loads, settings, target="cpu")
-    assert "reusing it" in capsys.readouterr().out
-    assert again == summary
+    assert started == [] and again == summary
+    assert BenchSummary.read(BenchSummary.path(base.name, summary.key)) == summary
     assert len(mlflow.search_runs([experiment.experiment_id], output_format="list",
                                   filter_string="tags.`qpipe.stage` = 'bench'")) == 2
 
@@ -169,15 +189,14 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert rows["int4"].serving == "ok" and rows["int4"].comparable
     assert rows["int4"].speedup == pytest.approx(int4[tracking.SPEEDUP])
     assert rows["baseline"].headline[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(
-        summary["baseline"]["workloads"]["tiny"]["points"][2][tracking.OUTPUT_TOKENS_PER_S])
-    assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary["int4"]["kv"][
+        summary.models["baseline"].workloads["tiny"].points[2][tracking.OUTPUT_TOKENS_PER_S])
+    assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary.models["int4"].kv[
         tracking.KV_CACHE_TOKENS]
     assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.2
 
 
 def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
-    tiny_model: Path, workspace: Path, served_setup: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str]
+    tiny_model: Path, workspace: Path, served_setup: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On any x86 machine: vLLM CPU made to load its AVX2 kernels (as an AVX2-only CPU does).
     W4A16 loads and answers /health, then cannot run: unsupported, with vLLM's reason and the
@@ -193,23 +212,24 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     with ServerPool() as pool:
         summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
-        int4 = summary["int4"]
-        assert int4["status"] == "unsupported", int4
-        assert int4["reason"].startswith("AttributeError: '_OpNamespace' '_C' object has no "
-                                         "attribute 'cpu_gemm_wna16'"), int4["reason"]
-        assert "_C_AVX2" in int4["reason"] and int4["log"].endswith(".log")
-        assert known_refusal(int4["identity"]) == int4["reason"]  # remembered, for this key
-        assert summary["baseline"]["status"] == "ok"
-        assert summary["baseline"]["workloads"]["tiny"]["points"][2][
+        int4 = summary.models["int4"]
+        assert int4.status == "unsupported", int4
+        assert int4.reason.startswith("AttributeError: '_OpNamespace' '_C' object has no "
+                                      "attribute 'cpu_gemm_wna16'"), int4.reason
+        assert "_C_AVX2" in int4.reason and int4.log.endswith(".log")
+        assert known_refusal(int4.identity) == int4.reason  # remembered, for this key
+        assert summary.models["baseline"].status == "ok"
+        assert summary.models["baseline"].workloads["tiny"].points[2][
             tracking.OUTPUT_TOKENS_PER_S] > 0
-        assert "unsupported on this hardware (pack-quantized)" in capsys.readouterr().out
+        assert "unsupported on this hardware (pack-quantized)" in format_table(summary, loads)
 
-        scored = evaluate.evaluate(base, evaluate.variant_models(base, ["int4"]),
+        started = _count_starts(monkeypatch)
+        scored = evaluate.evaluate(base, variants_of(base, ["int4"]),
                                    suites.select(tasks=["app_facts"]),
-                                   evaluate.Settings(limit=4, engine=settings),
-                                   with_divergence=False, track=False, pool=pool)
-        assert scored["int4"]["backend"] == evaluate.EMULATED
-        assert "cannot serve it here" in capsys.readouterr().out
+                                   EvalSettings(limit=4, engine=settings, divergence=False),
+                                   track=False, pool=pool)
+        assert scored["int4"].backend == lm.EMULATED
+        assert "int4" not in started  # the refusal was remembered: no second try
     assert _vllm_processes() == []
 
     import mlflow
@@ -227,4 +247,4 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
     # the native hardware key keeps its own memory: the forced run taught it nothing
     monkeypatch.delenv(hardware.ISA_ENV)
     if hardware.profile().kernel_library != "_C_AVX2":
-        assert known_refusal(int4["identity"]) is None
+        assert known_refusal(int4.identity) is None

@@ -3,7 +3,6 @@ PostgreSQL, the MLflow server's REST API, and the HTML report in headless Chromi
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.core.artifacts import Comparison, Manifest
 from tests import services
 from tests.conftest import TINY_LOAD, run_cli
 
@@ -33,6 +33,13 @@ plan: {gpu: h100-80gb, context: 512, max_context: 1024}
 VARIANTS = {"variant:baseline", "variant:fp8", "variant:mxfp4"}
 
 
+def _outputs(workspace: Path) -> dict[Path, int]:
+    """Each variant's and each scored task's files, with when they were written."""
+    root = workspace / "artifacts"
+    return {p: p.stat().st_mtime_ns for pattern in ("variants/*/*/*", "evals/*/cache/*/*/*")
+            for p in root.glob(pattern) if p.is_file()}
+
+
 def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres(
     tiny_model: Path, workspace: Path, postgres_uri: str, chromium_path: str
 ) -> None:
@@ -43,21 +50,26 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
 
     first = run_cli(*args, env={"MLFLOW_TRACKING_URI": sqlite})
     assert first.returncode == 0, first.stderr[-3000:]
-    for step in ("[all 1-2/4] quantize fp8, quantize mxfp4: ", "[all] quantize fp8: done in",
-                 "[all] quantize mxfp4: done in", "[all 3/4] eval", "[all 4/4] compare",
-                 "recommendation: none."):
-        assert step in first.stdout, step
+    reports = workspace / "artifacts" / "reports" / tiny_model.name
+    comparison = Comparison.read(reports / "comparison.json")
+    assert comparison is not None and comparison.recommendation is None
+    assert [r.name for r in comparison.rows] == ["baseline", "fp8", "mxfp4"]
+    assert all(r.serving == "not measured" and r.eval_backend == "emulated"
+               for r in comparison.rows[1:])
     logs = workspace / "artifacts" / "logs"
-    assert "[quantize] wrote" in (logs / "quantize-fp8.log").read_text()
-    report = workspace / "artifacts" / "reports" / tiny_model.name / "report.html"
+    assert {p.name for p in logs.glob("quantize-*.log")} == {"quantize-fp8.log",
+                                                             "quantize-mxfp4.log"}
+    report = reports / "report.html"
     assert report.is_file()
+    made = _outputs(workspace)
+    assert any(p.name == Manifest.FILE for p in made) and any(
+        p.name == "qpipe_task_result.json" for p in made)
 
-    # Nothing changed: every stage is reused; the same campaign lands in PostgreSQL.
+    # Nothing changed: every stage is reused (nothing rewritten); the same campaign lands in
+    # PostgreSQL.
     again = run_cli(*args, env={"MLFLOW_TRACKING_URI": postgres_uri})
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("is up to date") == 2
-    assert "[all 1/4] quantize fp8" in again.stdout
-    assert "all 3 task(s) up to date" in again.stdout
+    assert _outputs(workspace) == made
 
     experiment = f"qpipe/{tiny_model.name}"
     ignore = services.VOLATILE_TAGS | {"qpipe.created", "qpipe.git_commit"}
@@ -95,36 +107,100 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
 def test_quantize_slots_one_per_core_on_a_cpu_host_one_on_a_gpu(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import os
-
-    from pipeline import campaign
     from pipeline.quantize import baseline as baselines
+    from pipeline.quantize.parallel import slots
 
     base = baselines.resolve(str(tiny_model))
     monkeypatch.delenv("QPIPE_QUANTIZE_JOBS", raising=False)
-    cpu = campaign.quantize_slots(base, "cpu")
-    assert cpu == (os.cpu_count() or 1)  # a tiny model never limits by memory
-    assert campaign.quantize_slots(base, "cuda") == 1
-    assert campaign.quantize_slots(base, "cuda", 3) == 3
+    assert slots(base, "cpu") == (os.cpu_count() or 1)  # a tiny model never limits by memory
+    assert slots(base, "cuda") == 1
+    assert slots(base, "cuda", 3) == 3
     monkeypatch.setenv("QPIPE_QUANTIZE_JOBS", "1")
-    assert campaign.quantize_slots(base, "cpu") == 1
+    assert slots(base, "cpu") == 1
 
 
 def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Path) -> None:
-    from pipeline import campaign
     from pipeline.core import jobs
+    from pipeline.quantize.parallel import progress
 
     job = jobs.Job("quantize int8", [], tmp_path / "int8.log")
     job.log.write_text("Preparing cache\n")
-    assert campaign._quantize_progress(job) == ""
+    assert progress(job) == ""
     smooth = ("Inferred `SequentialPipeline` for `SmoothQuantModifier`\n"
               + "".join(f"({i}/31): Calibrating: 100%\r({i}/31): Propagating: 50%\n"
                         for i in range(1, 32)))
     job.log.write_text(smooth)
-    assert campaign._quantize_progress(job) == "SmoothQuant layer 31/31"
+    assert progress(job) == "SmoothQuant layer 31/31"
     job.log.write_text(smooth + "Inferred `SequentialPipeline` for `GPTQModifier`\n"
                        "(1/31): Calibrating: 100%\n(2/31): Calibrating:  10%\n")
-    assert campaign._quantize_progress(job) == "GPTQ layer 2/31"
+    assert progress(job) == "GPTQ layer 2/31"
+
+
+class _Stages:
+    """Stand-ins for the stage functions a campaign calls, recording what each was given."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, bench_error: Exception | None = None
+                 ) -> None:
+        from pipeline import campaign
+        from pipeline.core.artifacts import Comparison, PlanTarget
+        from pipeline.quantize.baseline import Baseline
+
+        self.calls: dict[str, object] = {}
+        monkeypatch.setattr(campaign.baselines, "resolve",
+                            lambda spec: Baseline("tiny", Path("/nowhere"), spec, "B"))
+        monkeypatch.setattr(campaign, "serve_target", lambda: "cuda")  # no server pool
+        monkeypatch.setattr(campaign, "_quantize", lambda todo, *_: [
+            {"variant": "int4", "stage": "quantize", "reason": "boom", "log": "q.log"}])
+
+        def bench(settings: object, pool: object) -> None:
+            self.calls["bench"] = settings
+            if bench_error is not None:
+                raise bench_error
+
+        def evaluate(settings: object, pool: object) -> None:
+            self.calls["eval"] = settings
+
+        def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
+                    failures: list[dict[str, str]], objective: str) -> tuple[object, list]:
+            self.calls["compare"] = recipes
+            return Comparison(baseline="tiny", rows=[], workload="", load_point=None,
+                              plan_target=PlanTarget(), recommendation=None, reason="",
+                              failures=failures), []
+
+        monkeypatch.setattr(campaign.bench, "run", bench)
+        monkeypatch.setattr(campaign.evaluation, "run", evaluate)
+        monkeypatch.setattr(campaign.report, "compare_and_log", compare)
+
+
+def test_a_campaign_calls_each_stage_without_the_recipe_that_failed_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import campaign
+
+    stages = _Stages(monkeypatch)
+    settings = campaign.CampaignSettings(baseline="tiny", recipes=("fp8", "int4"), track=False)
+    with pytest.raises(campaign.CampaignIncomplete) as info:
+        campaign.run(settings)
+    # int4 failed to quantize: bench, eval and the comparison go on without it
+    assert stages.calls["bench"].recipes == ("fp8",)  # type: ignore[attr-defined]
+    assert stages.calls["eval"].recipes == ("fp8",)  # type: ignore[attr-defined]
+    assert stages.calls["compare"] == ["fp8"]
+    assert info.value.exit_code == 1 and "int4 in quantize: boom (log q.log)" in str(info.value)
+
+
+def test_a_failed_stage_is_recorded_and_a_bad_setting_stops_with_its_command(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import campaign
+    from pipeline.core.errors import ConfigError, QpipeError
+
+    stages = _Stages(monkeypatch, bench_error=QpipeError("vLLM is missing"))
+    settings = campaign.CampaignSettings(baseline="tiny", recipes=("fp8", "int4"), track=False)
+    with pytest.raises(campaign.CampaignIncomplete, match="all in bench: vLLM is missing"):
+        campaign.run(settings)
+    assert "eval" in stages.calls  # the stage after the failed one still ran
+    _Stages(monkeypatch, bench_error=ConfigError("no workload 'chatt'"))
+    with pytest.raises(QpipeError) as info:
+        campaign.run(settings)
+    assert "Re-run it alone: qpipe bench --baseline=tiny --recipe=fp8" in str(info.value)
 
 
 KILL_CAMPAIGN = """\
@@ -167,7 +243,7 @@ def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
     watcher.start()
     try:
         result = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
-                         "--engine-arg=--max-model-len=512", timeout=1200)
+                         "--max-model-len=512", timeout=1200)
     finally:
         stop.set()
         watcher.join(5)
@@ -183,12 +259,13 @@ def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
     assert not leftovers and not services.process_group(killed["pgid"])
 
     reports = workspace / "artifacts" / "reports" / tiny_model.name
-    comparison = json.loads((reports / "comparison.json").read_text())
-    rows = {r["name"]: r for r in comparison["rows"]}
-    assert rows["int8"]["serving"] == "failed" and rows["fp8"]["serving"] == "ok"
-    assert rows["fp8"]["speedup"] > 0 and rows["int8"]["speedup"] is None
-    assert [(f["variant"], f["stage"]) for f in comparison["failures"]] == [("int8", "bench")]
-    assert comparison["recommendation"] != "int8"
+    comparison = Comparison.read(reports / "comparison.json")
+    assert comparison is not None
+    rows = {r.name: r for r in comparison.rows}
+    assert rows["int8"].serving == "failed" and rows["fp8"].serving == "ok"
+    assert (rows["fp8"].speedup or 0) > 0 and rows["int8"].speedup is None
+    assert [(f["variant"], f["stage"]) for f in comparison.failures] == [("int8", "bench")]
+    assert comparison.recommendation != "int8"
     assert "FAILED: int8 in bench" in (reports / "report.html").read_text()
 
     import mlflow

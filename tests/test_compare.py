@@ -10,18 +10,28 @@ from pathlib import Path
 import pytest
 
 from pipeline import campaign
-from pipeline.core import tracking
+from pipeline.core import campaigns, tracking
+from pipeline.core.artifacts import (
+    BenchSummary,
+    Comparison,
+    ModelBench,
+    PlanTarget,
+    Row,
+    TaskEntry,
+)
 from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
-from pipeline.report import compare
+from pipeline.report import compare, plots
 from pipeline.report import render as report
+from pipeline.report.recommend import recommend
 
 
 def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
-         serving: str = "ok", backend: str = "served", recovery: float = 100.5) -> compare.Row:
-    row = compare.Row(name, name, "S", "float-quantized", "fp8", 163_000_000, 0.61,
-                      serving=serving, eval_backend=backend, threshold=99.0, gate_status=status,
-                      gate_reason="" if status == gate.PASS else f"suite app: {name} too wide")
+         serving: str = "ok", backend: str = "served", recovery: float = 100.5) -> Row:
+    row = Row(name=name, recipe=name, scheme="S", format="float-quantized", precision="fp8",
+              weight_bytes=163_000_000, weight_ratio=0.61, serving=serving,
+              eval_backend=backend, threshold=99.0, gate_status=status,
+              gate_reason="" if status == gate.PASS else f"suite app: {name} too wide")
     if speedup is not None:
         row.headline = {tracking.SPEEDUP: speedup, f"{tracking.SPEEDUP}_min": speedup - 0.1,
                         f"{tracking.SPEEDUP}_max": speedup + 0.1,
@@ -33,29 +43,33 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
         row.sweep = {1: dict(row.headline), 4: dict(row.headline)}
     row.suites = {"app": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5,
                           "tasks": ["app_facts"], "backend": backend}}
-    row.tasks = {"app_facts": {"backend": backend, "primary_metric": "acc,none", "recovery": {
-        "acc,none": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5}}}}
+    row.tasks = {"app_facts": TaskEntry(suite="app", backend=backend, primary_metric="acc,none",
+                                        recovery={"acc,none": {"recovery_pct": recovery,
+                                                               "ci_low": low,
+                                                               "ci_high": recovery + 1.5}})}
     row.plan = {"planned_max_concurrency_paged": 40, "planned_max_concurrency_worst_case": 10}
     return row
 
 
-def _baseline() -> compare.Row:
-    row = compare.Row("baseline", "none", "bf16", "dense", "bf16", 269_000_000, 1.0)
+def _baseline() -> Row:
+    row = Row(name="baseline", recipe="none", scheme="bf16", format="dense", precision="bf16",
+              weight_bytes=269_000_000, weight_ratio=1.0)
     row.headline = {tracking.OUTPUT_TOKENS_PER_S: 20.0, f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19.0,
                     f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21.0}
     row.sweep = {1: dict(row.headline)}
     return row
 
 
-def _comparison(rows: list[compare.Row]) -> compare.Comparison:
-    best, reason = compare.recommend(rows)
-    return compare.Comparison("Tiny", rows, "chat", 4, compare.PlanTarget(), best, reason, {})
+def _comparison(rows: list[Row]) -> Comparison:
+    best, reason = recommend(rows)
+    return Comparison(baseline="Tiny", rows=rows, workload="chat", load_point=4,
+                      plan_target=PlanTarget(), recommendation=best, reason=reason)
 
 
 def test_the_fastest_variant_that_clears_its_gate_is_recommended() -> None:
     rows = [_baseline(), _row("fp8", 1.2, gate.PASS), _row("int4", 1.6, gate.PASS),
             _row("int8", 2.0, gate.INCONCLUSIVE)]
-    best, reason = compare.recommend(rows)
+    best, reason = recommend(rows)
     assert best == "int4"  # int8 is faster but its gate is inconclusive
     assert reason.startswith("int4 (objective speed: ") and \
         "1.60x [1.50-1.70] the baseline's throughput" in reason
@@ -67,22 +81,22 @@ def test_a_slower_variant_or_one_not_shown_faster_is_never_shipped_for_speed() -
     slower.headline[f"{tracking.SPEEDUP}_min"], slower.headline[f"{tracking.SPEEDUP}_max"] = \
         0.3, 0.8
     straddles = _row("fp8", 1.05, gate.PASS)  # [0.95-1.15]
-    best, reason = compare.recommend([_baseline(), slower, straddles])
+    best, reason = recommend([_baseline(), slower, straddles])
     assert best is None
     assert "int8: passes its gate but is slower than the baseline (0.50x [0.30-0.80])" in reason
     assert "fp8: passes its gate but is not shown faster" in reason and "straddles 1" in reason
     # for memory, speed is not the question: the smallest passing variant
     small = _row("int4", 0.9, gate.PASS)
     small.weight_bytes = 113_000_000
-    best, reason = compare.recommend([_baseline(), slower, straddles, small], "memory")
+    best, reason = recommend([_baseline(), slower, straddles, small], "memory")
     assert best == "int4" and "objective memory" in reason
 
 
 def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None:
     a, b = _row("fp8", 1.5, gate.PASS), _row("int4", 1.2, gate.PASS)
     b.plan = {"planned_max_concurrency_paged": 90, "planned_max_concurrency_worst_case": 20}
-    assert compare.recommend([_baseline(), a, b], "capacity")[0] == "int4"
-    assert compare.recommend([_baseline(), a, b], "speed")[0] == "fp8"
+    assert recommend([_baseline(), a, b], "capacity")[0] == "int4"
+    assert recommend([_baseline(), a, b], "speed")[0] == "fp8"
     with pytest.raises(ConfigError, match="objective 'cost'"):
         compare.collect(None, objective="cost")  # type: ignore[arg-type]
 
@@ -93,17 +107,18 @@ def test_no_recommendation_names_every_reason() -> None:
             _row("int4", 2.5, gate.PASS)]
     rows[2].serving_reason = "Failed to find a kernel"
     rows[3].comparable, rows[3].measurement = False, "bench abc (2026-11-30T10:00:00+00:00)"
-    best, reason = compare.recommend(rows)
+    best, reason = recommend(rows)
     assert best is None
     assert "int8: gate fail: suite app: int8 too wide" in reason
     assert "mxfp4: passes its gate but was not served here (Failed to find a kernel)" in reason
     assert "int4: passes its gate but its speed is from another measurement (bench abc" in reason
-    assert compare.recommend([_baseline()])[1].endswith("no variant on disk (make quantize)")
+    assert recommend([_baseline()])[1].endswith("no variant on disk (make quantize)")
 
 
-def _summary(models: dict[str, str], hardware_key: str = "cpu-x") -> dict:
-    return {"hardware": {"key": hardware_key}, "models": {
-        name: {"identity": identity, "status": "ok"} for name, identity in models.items()}}
+def _summary(models: dict[str, str], hardware_key: str = "cpu-x") -> BenchSummary:
+    return BenchSummary(baseline="Tiny", target="cpu", hardware={"key": hardware_key}, models={
+        name: ModelBench(recipe=name, identity=identity, status="ok", format="dense")
+        for name, identity in models.items()})
 
 
 def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None:
@@ -117,7 +132,7 @@ def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None
     # int4 quantized again: only the partial run measured the new checkpoint; the reference
     # is still the run that covers most variants, and int4's row is marked as from another
     identities["int4"] = "I2"
-    partial[1]["models"]["int4"]["identity"] = "I2"
+    partial[1].models["int4"].identity = "I2"
     assert compare.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
     # a run on this machine's hardware wins over one made elsewhere
     elsewhere = (Path("gpu/summary.json"), _summary(dict(identities), "cuda-h100"))
@@ -149,38 +164,54 @@ def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path
     files = report.write(comparison, tmp_path / "out", {"git_commit": "abc123"})
     assert [f.name for f in files] == list(report.FILES)
     page = files[0].read_text()
-    assert page.count("<svg") == len(report.PLOTS)
+    assert page.count("<svg") == len(plots.PLOTS)
     assert 'id="comparison"' in page and "abc123" in page and "[emulated]" in page
     assert json.loads(files[3].read_text())["recommendation"] == "fp8"
+    written = Comparison.read(files[3])  # the JSON is the typed artifact, with its provenance
+    assert written.meta["git_commit"] == "abc123"
+    assert written.model_copy(update={"meta": {}}) == comparison
     assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_shipped_campaigns_load_and_bad_ones_name_the_field(tmp_path: Path) -> None:
-    default, quick = campaign.load("default"), campaign.load("quick")
+    default, quick = campaigns.load("default"), campaigns.load("quick")
     assert default.workloads == ("chat", "prefix") and default.plan.context == 2048
     assert set(quick.recipes) <= set(default.recipes or quick.recipes)
     bad = tmp_path / "bad.yaml"
     bad.write_text("recipes: [fp8]\nworkload: [chat]\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown field 'workload'"):
-        campaign.load(str(bad))
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown field 'workload' \(did you mean "
+                       r"'workloads'\?\)"):
+        campaigns.load(str(bad))
     bad.write_text("plan: {context: many}\n")
-    with pytest.raises(ConfigError, match=r"field 'plan.context' should be a int"):
-        campaign.load(str(bad))
+    with pytest.raises(ConfigError, match=r"field 'plan.context': input should be a valid "
+                       r"integer.*\(got 'many'\)"):
+        campaigns.load(str(bad))
+    bad.write_text("plan: {gpu: h100-80gb, contxt: 3}\n")
+    with pytest.raises(ConfigError, match=r"'plan.contxt' \(did you mean 'context'\?\); the "
+                       r"fields are gpu, context, max_context, memory_gb"):
+        campaigns.load(str(bad))
     with pytest.raises(ConfigError, match="the campaigns are default, full, quick"):
-        campaign.load("nope")
+        campaigns.load("nope")
 
 
-def test_stage_commands_follow_the_campaign() -> None:
-    quick = campaign.load("quick")
-    steps = dict(campaign.stage_commands(quick, "tiny", force=True))
-    assert list(steps) == ["quantize fp8", "quantize mxfp4", "bench", "eval"]
-    bench = steps["bench"]
-    assert bench[bench.index("--workload") + 1] == "quick" and "--force" in bench
-    evaluate = steps["eval"]
-    assert evaluate[evaluate.index("--limit") + 1] == "40" and "--no-divergence" in evaluate
-    no_bench = campaign.Campaign("x", Path("x.yaml"), recipes=("fp8",), workloads=())
-    assert [label for label, _ in campaign.stage_commands(no_bench, "tiny")] == [
-        "quantize fp8", "eval"]
+def test_stage_settings_follow_the_campaign_and_print_their_command() -> None:
+    settings = campaign.CampaignSettings(baseline="tiny", campaign="quick", force=True)
+    quantize, bench, evaluate = campaign.stages(settings, settings.file())
+    assert [q.recipe for q in quantize] == ["fp8", "mxfp4"]
+    assert bench is not None and bench.workloads == ("quick",) and bench.repeats == 3
+    assert evaluate.limit == 40 and not evaluate.divergence and evaluate.suites == ("app",)
+    # the command that re-runs a stage alone is derived from the same settings
+    line = bench.command("bench")
+    assert line.startswith("qpipe bench --baseline=tiny") and "--workload=quick" in line
+    assert "--force" in line and "--repeats=3" in line
+    assert "--limit=40" in evaluate.command("eval") and "--no-divergence" in evaluate.command(
+        "eval")
+    # the command line overrides the file; no workloads means no bench
+    override = campaign.CampaignSettings(campaign="quick", recipes=("int8",), limit="all")
+    quantize, bench, evaluate = campaign.stages(override, override.file())
+    assert [q.recipe for q in quantize] == ["int8"] and evaluate.limit == "all"
+    no_bench = campaigns.CampaignFile(recipes=("fp8",), workloads=())
+    assert campaign.stages(settings, no_bench)[1] is None
 
 
 def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> None:

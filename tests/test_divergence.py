@@ -96,18 +96,18 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
 @pytest.mark.slow
 def test_identical_models_scored_through_two_loads_flip_nothing(
         workspace: Path, tiny_model: Path, tmp_path: Path) -> None:
-    from pipeline.eval import run as evaluate
-    from pipeline.eval import suites
+    from pipeline.core.variant import Variant, baseline_variant
+    from pipeline.eval import EvalSettings, lm, suites
+    from pipeline.eval.score import score
+    from pipeline.eval.summary import compare
     from pipeline.quantize import baseline as baselines
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model, copy)
     base = baselines.resolve(str(tiny_model))
     tasks = suites.select(tasks=["app_grammar"])
-    settings = evaluate.Settings(limit=12)
-    ours = evaluate.score(base.name, evaluate.baseline_model(base), tasks, evaluate.EMULATED,
-                          settings)
-    twin = evaluate.score(base.name, evaluate.Model("copy", "copy", copy, "copy-identity"),
-                          tasks, evaluate.EMULATED, settings)
-    (r,) = evaluate.compare(tasks, ours, twin)["app_grammar"].values()
+    settings = EvalSettings(limit=12)
+    ours = score(base.name, baseline_variant(base), tasks, lm.EMULATED, settings)
+    twin = score(base.name, Variant("copy", copy, "copy-identity"), tasks, lm.EMULATED, settings)
+    (r,) = compare(tasks, ours, twin)["app_grammar"].values()
     assert r.n == 12 and r.flips == 0 and r.variant_score == r.baseline_score

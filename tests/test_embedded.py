@@ -10,7 +10,7 @@ import pytest
 from pipeline.core import paths
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
+from pipeline.quantize import stage as quantize
 
 pytestmark = [pytest.mark.slow, pytest.mark.embedded]
 
@@ -50,9 +50,9 @@ def test_embedded_fp8_variant_reloads_and_answers(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     manifest = quantize.quantize(embedded, recipes.load("fp8"))
     out = paths.variant_dir(embedded.name, "fp8")
-    assert manifest["format"] == "float-quantized"
-    assert manifest["quantized_layers"] == 30 * 7
-    assert manifest["quantized_layer_bytes_ratio"] <= 0.51
+    assert manifest.format == "float-quantized"
+    assert manifest.quantized_layers == 30 * 7
+    assert manifest.quantized_layer_bytes_ratio <= 0.51
     assert "Paris" in _answer(out, "What is the capital of France?")
 
 

@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import paths, tracking
+from pipeline.core.artifacts import RecoverySummary
 from pipeline.core.errors import ConfigError
-from pipeline.eval import run as evaluate
-from pipeline.eval import suites
+from pipeline.core.settings import add_options, from_args
+from pipeline.core.variant import Variant, baseline_variant, variants_of
+from pipeline.eval import EvalSettings, lm, score, suites, validate
+from pipeline.eval import stage as evaluate
+from pipeline.eval import summary as eval_summary
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
+from pipeline.quantize import stage as quantize
 
 from .conftest import run_cli
 
@@ -38,24 +42,24 @@ GEN_SAMPLES = [
 
 
 def test_per_item_scores_and_chance_levels() -> None:
-    scores, chance = evaluate.per_item_scores(MC_SAMPLES, "multiple_choice")
+    scores, chance = lm.per_item_scores(MC_SAMPLES, "multiple_choice")
     assert scores == {"acc,none": {"0": 1.0, "1": 0.0}, "acc_norm,none": {"0": 1.0, "1": 1.0}}
     assert chance["acc,none"] == pytest.approx((1 / 2 + 1 / 4) / 2)
-    scores, chance = evaluate.per_item_scores(GEN_SAMPLES, "generate_until")
+    scores, chance = lm.per_item_scores(GEN_SAMPLES, "generate_until")
     assert scores == {"exact_match,strict-match": {"0": 1.0},
                       "exact_match,flexible-extract": {"0": 0.0}}
     assert chance == {"exact_match,strict-match": 0.0, "exact_match,flexible-extract": 0.0}
 
 
 def test_metric_names_are_valid_mlflow_names() -> None:
-    assert evaluate.metric_name("app_facts", "acc,none") == "app_facts.acc"
-    assert evaluate.metric_name("qpipe_gsm8k", "exact_match,strict-match") == \
+    assert eval_summary.metric_name("app_facts", "acc,none") == "app_facts.acc"
+    assert eval_summary.metric_name("qpipe_gsm8k", "exact_match,strict-match") == \
         "qpipe_gsm8k.exact_match/strict-match"
 
 
-def _result(task: str, items: list[float], chance: float = 0.5) -> evaluate.TaskResult:
+def _result(task: str, items: list[float], chance: float = 0.5) -> lm.TaskResult:
     per_item = {"acc,none": {str(i): v for i, v in enumerate(items)}}
-    return evaluate.TaskResult(task=task, backend="served", metrics={}, per_item=per_item,
+    return lm.TaskResult(task=task, backend="served", metrics={}, per_item=per_item,
                                chance={"acc,none": chance}, settings={}, command="")
 
 
@@ -64,35 +68,40 @@ def test_compare_and_suite_figure_from_paired_items() -> None:
     base = {t.name: _result(t.name, [1.0] * 16 + [0.0] * 4) for t in tasks}
     var = {t.name: _result(t.name, [1.0] * 12 + [0.0] * 8) for t in tasks}
     var["app_json"] = _result("app_json", [1.0] * 16 + [0.0] * 4)
-    rec = evaluate.compare(tasks, base, var)
+    rec = eval_summary.compare(tasks, base, var)
     assert rec["app_facts"]["acc,none"].recovery_pct == pytest.approx(75.0)
     assert rec["app_json"]["acc,none"].recovery_pct == pytest.approx(100.0)
-    fig = evaluate.suite_figures(tasks, rec)["app"]
+    fig = eval_summary.suite_figures(tasks, rec)["app"]
     assert fig.recovery_pct == pytest.approx((75 + 75 + 100) / 3)
     assert fig.items == 60 and fig.ci_low < fig.recovery_pct < fig.ci_high
 
 
 def test_task_limits_and_cache_keys_follow_the_settings() -> None:
     gsm8k = next(t for t in suites.select(["standard"]) if t.name == "qpipe_gsm8k")
-    assert evaluate.Settings().for_task(gsm8k)["limit"] == 20  # the task's qpipe_limit
-    assert evaluate.Settings(limit=7).for_task(gsm8k)["limit"] == 7
-    model = evaluate.Model("int4", "int4", paths.PROJECT_ROOT, "abc")
-    keys = {evaluate.task_key(model, gsm8k, b, evaluate.Settings(limit=n))
-            for b in (evaluate.SERVED, evaluate.EMULATED) for n in (5, 6)}
+    assert EvalSettings().for_task(gsm8k)["limit"] == 20  # the task's qpipe_limit
+    assert EvalSettings(limit=7).for_task(gsm8k)["limit"] == 7
+    assert EvalSettings(limit="all").for_task(gsm8k)["limit"] is None  # every item
+    model = Variant("int4", paths.PROJECT_ROOT, "abc")
+    keys = {score.task_key(model, gsm8k, b, EvalSettings(limit=n))
+            for b in (lm.SERVED, lm.EMULATED) for n in (5, 6)}
     assert len(keys) == 4
 
 
-def test_unknown_variant_and_bad_limit(workspace: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("bad", ["0", "-3", "many"])
+def test_a_bad_limit_names_the_option(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser, EvalSettings)
+    with pytest.raises((ConfigError, SystemExit)) as info:
+        from_args(EvalSettings, parser.parse_args(["--limit", bad]))
+    said = str(info.value) + capsys.readouterr().err
+    assert "limit" in said and ("greater than 0" in said or "'all'" in said)
+
+
+def test_an_unknown_variant_says_how_to_make_it(workspace: Path, tiny_model: Path) -> None:
     base = baselines.resolve(str(tiny_model))
     with pytest.raises(ConfigError, match="make quantize RECIPE=int4"):
-        evaluate.variant_models(base, ["int4"])
-    assert evaluate.variant_models(base, None) == []
-    assert evaluate.parse_limit("all") == "all" and evaluate.parse_limit("7") == 7
-    for bad in ("0", "-3", "many"):
-        with pytest.raises(argparse.ArgumentTypeError, match="positive number of items"):
-            evaluate.parse_limit(bad)
-    gsm8k = next(t for t in suites.select(["standard"]) if t.name == "qpipe_gsm8k")
-    assert evaluate.Settings(limit="all").for_task(gsm8k)["limit"] is None  # every item
+        variants_of(base, ["int4"])
+    assert variants_of(base, None) == []
 
 
 def _runs(workspace: Path, baseline_name: str) -> list:
@@ -101,7 +110,7 @@ def _runs(workspace: Path, baseline_name: str) -> list:
     mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
     exp = mlflow.get_experiment_by_name(tracking.experiment_name(baseline_name))
     runs = mlflow.search_runs([exp.experiment_id], output_format="list") if exp else []
-    return [r for r in runs if r.data.tags.get(tracking.TAG_STAGE) == evaluate.STAGE]
+    return [r for r in runs if r.data.tags.get(tracking.TAG_STAGE) == eval_summary.STAGE]
 
 
 def _new_task_as_the_docs_say(evals: Path) -> None:
@@ -122,8 +131,7 @@ def _new_task_as_the_docs_say(evals: Path) -> None:
 
 @pytest.mark.slow
 def test_emulated_end_to_end_with_a_new_task(
-    workspace: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str]
+    workspace: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     evals = workspace / "evals"
     evals.mkdir()
@@ -131,23 +139,23 @@ def test_emulated_end_to_end_with_a_new_task(
     shutil.copytree(paths.EVALS_DIR / "_template", evals / "_template")
     _new_task_as_the_docs_say(evals)
     monkeypatch.setattr(paths, "EVALS_DIR", evals)
-    suites.validate([evals / "myapp"])
+    validate.validate([evals / "myapp"])
 
     base = baselines.resolve(str(tiny_model))
     quantize.quantize(base, recipes.load("fp8"))
-    (variant,) = evaluate.variant_models(base, None)
+    (variant,) = variants_of(base, None)
     tasks = suites.select(["app", "myapp"])
-    settings = evaluate.Settings(limit=6, backend="hf")
+    settings = EvalSettings(limit=6, backend="hf")
     report = evaluate.evaluate(base, [variant], tasks, settings)
-    out = capsys.readouterr().out
-    assert "[eval] fp8 (emulated): task 4/4" in out and "[emulated" in out
+    assert report["fp8"].backend == lm.EMULATED
+    assert all(len(r.per_item["acc,none"]) == 6 for r in report["fp8"].results.values())
     # FP8 moves the tiny model's distributions a little, not a lot
-    assert 0 < report["fp8"]["divergence"].kl_div_mean < 1
+    assert 0 < report["fp8"].divergence.kl_div_mean < 1
 
-    summary = json.loads((evaluate.cache_root(base.name) / "fp8" / "recovery.json").read_text())
-    assert set(summary["tasks"]) == {"app_facts", "app_grammar", "app_json", "myapp_support"}
-    assert summary["tasks"]["app_facts"]["settings"]["limit"] == 6
-    assert summary["tasks"]["app_facts"]["backend"] == "emulated"
+    summary = RecoverySummary.load(base.name, "fp8")
+    assert set(summary.tasks) == {"app_facts", "app_grammar", "app_json", "myapp_support"}
+    assert summary.tasks["app_facts"].settings["limit"] == 6
+    assert summary.tasks["app_facts"].backend == "emulated"
 
     runs = {r.data.params["recipe"]: r for r in _runs(workspace, base.name)}
     assert set(runs) == {"none", "fp8"}
@@ -173,9 +181,10 @@ def test_emulated_end_to_end_with_a_new_task(
     assert {"results_app_facts.json", "samples_myapp_support.jsonl", "recovery.json"} <= names
 
     # unchanged: nothing is scored again and nothing new is logged
+    scored = score.cache_root(base.name) / "cache"
+    mtimes = {p: p.stat().st_mtime_ns for p in scored.rglob("*") if p.is_file()}
     evaluate.evaluate(base, [variant], tasks, settings)
-    out = capsys.readouterr().out
-    assert "task 1/4" not in out and out.count("up to date") == 2
+    assert {p: p.stat().st_mtime_ns for p in scored.rglob("*") if p.is_file()} == mtimes
     assert len(_runs(workspace, base.name)) == 2
 
 
@@ -186,7 +195,7 @@ def test_cli_eval_then_gate(workspace: Path, tiny_model: Path) -> None:
     done = run_cli("eval", "--baseline", str(tiny_model), "--task", "app_json", "--limit", "4",
                    "--backend", "hf", "--no-divergence", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "[eval] fp8 (emulated): task 1/1 app_json (limit 4)" in done.stdout
+    assert RecoverySummary.load(base.name, "fp8").tasks["app_json"].settings["limit"] == 4
     assert "reproduce a score by hand" in done.stdout
     # at chance everywhere: the gate cannot pass it, and says why
     gated = run_cli("gate", "--baseline", str(tiny_model), timeout=120)
@@ -198,9 +207,8 @@ def test_cli_eval_then_gate(workspace: Path, tiny_model: Path) -> None:
 def test_scores_equal_a_direct_lm_eval_run(workspace: Path, tiny_model: Path) -> None:
     base = baselines.resolve(str(tiny_model))
     (task,) = suites.select(tasks=["app_grammar"])
-    model = evaluate.baseline_model(base)
-    result = evaluate.score(base.name, model, [task], evaluate.EMULATED,
-                            evaluate.Settings(limit=12))[task.name]
+    model = baseline_variant(base)
+    result = score.score(base.name, model, [task], lm.EMULATED, EvalSettings(limit=12))[task.name]
     # the command qpipe prints, run as a user runs it
     args = shlex.split(result.command)
     assert args[:3] == [".venv/bin/lm_eval", "--model", "hf"]
@@ -225,18 +233,18 @@ def test_served_end_to_end_through_vllm(workspace: Path, tiny_model: Path) -> No
     # fp8: served by vLLM CPU on AVX2 and AVX-512 machines alike (W4A16 needs AVX-512)
     base = baselines.resolve(str(tiny_model))
     quantize.quantize(base, recipes.load("fp8"))
-    (variant,) = evaluate.variant_models(base, ["fp8"])
+    (variant,) = variants_of(base, ["fp8"])
     tasks = suites.select(tasks=["app_facts", "app_json"])
-    settings = evaluate.Settings(limit=5, num_concurrent=2)
-    report = evaluate.evaluate(base, [variant], tasks, settings, with_divergence=False)
-    assert report["fp8"]["backend"] == evaluate.SERVED
-    results = report["fp8"]["results"]
+    settings = EvalSettings(limit=5, num_concurrent=2, divergence=False)
+    report = evaluate.evaluate(base, [variant], tasks, settings)
+    assert report["fp8"].backend == lm.SERVED
+    results = report["fp8"].results
     assert all(len(r.per_item["acc,none"]) == 5 for r in results.values())
     assert "--model local-completions" in results["app_facts"].command
     # the served baseline scores what the hf backend scores on the same items (bf16 both ways)
-    served = report["baseline (served)"]["results"]["app_facts"].per_item["acc,none"]
-    hf = evaluate.score(base.name, evaluate.baseline_model(base), tasks[:1], evaluate.EMULATED,
-                        settings)["app_facts"].per_item["acc,none"]
+    served = report["baseline (served)"].results["app_facts"].per_item["acc,none"]
+    hf = score.score(base.name, baseline_variant(base), tasks[:1], lm.EMULATED,
+                     settings)["app_facts"].per_item["acc,none"]
     agree = sum(served[k] == hf[k] for k in served)
     assert agree >= 4  # bf16 rounding may flip a near-tie
     (run,) = [r for r in _runs(workspace, base.name) if r.data.params["recipe"] == "fp8"]

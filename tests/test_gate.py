@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
+from pipeline.core.artifacts import RecoverySummary, TaskEntry
 from pipeline.core.errors import ConfigError
-from pipeline.eval import gate, recovery, suites
-from pipeline.eval import run as evaluate
+from pipeline.core.variant import variants_of
+from pipeline.eval import EvalSettings, GateSettings, gate, recovery, suites
+from pipeline.eval import stage as evaluate
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
+from pipeline.quantize import stage as quantize
 
 
 def _entry(base: list[int], var: list[int], chance: float = 0.5, suite: str = "app",
-           backend: str = "served") -> dict:
+           backend: str = "served", **identity: str) -> TaskEntry:
     """A task entry as eval writes it, from paired 0/1 scores."""
     r = recovery.recovery(base, var, chance)
-    return {"suite": suite, "backend": backend, "primary_metric": "acc,none",
-            "recovery": {"acc,none": r.as_dict()}}
+    return TaskEntry(suite=suite, backend=backend, primary_metric="acc,none",
+                     recovery={"acc,none": r.as_dict()}, **identity)
 
 
 def _items(n: int, right: int, lost: int = 0, gained: int = 0) -> tuple[list[int], list[int]]:
@@ -64,7 +65,7 @@ def test_a_tiny_task_identical_to_the_baseline_is_inconclusive_not_a_pass() -> N
     (line,) = verdict.inconclusive
     assert "5 items can certify at best" in line and "below the threshold" in line
     assert "answering every item as the baseline does" in line and "items would" in line
-    r = entries["t"]["recovery"]["acc,none"]
+    r = entries["t"].recovery["acc,none"]
     assert r["ci_low"] < 60 and r["certifiable_pct"] == pytest.approx(r["ci_low"])
     # 131 identical items: still short of 99%, and the verdict says how far
     grammar = gate.judge({"g": _entry(*_items(131, 125))}, "fp8", 99)
@@ -101,12 +102,12 @@ def test_nothing_meaningful_is_its_own_verdict() -> None:
 def test_only_current_results_are_judged(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task scored on another checkpoint, baseline or task file is stale: never judged."""
     monkeypatch.setattr(gate, "_task_shas", lambda: {"a": "sha-a", "b": "sha-b2", "c": "sha-c"})
-    good = _entry(*_items(600, 540))
-    summary = {"tasks": {
-        "a": {**good, "identity": "v2", "baseline_identity": "base", "task_sha": "sha-a"},
-        "b": {**good, "identity": "v2", "baseline_identity": "base", "task_sha": "sha-b1"},
-        "c": {**good, "identity": "v1", "baseline_identity": "base", "task_sha": "sha-c"},
-        "d": {**good, "identity": "v2", "baseline_identity": "other", "task_sha": "x"}}}
+    scores = _items(600, 540)
+    summary = RecoverySummary(baseline="base", recipe="int4", tasks={
+        "a": _entry(*scores, identity="v2", baseline_identity="base", task_sha="sha-a"),
+        "b": _entry(*scores, identity="v2", baseline_identity="base", task_sha="sha-b1"),
+        "c": _entry(*scores, identity="v1", baseline_identity="base", task_sha="sha-c"),
+        "d": _entry(*scores, identity="v2", baseline_identity="other", task_sha="x")})
     current, stale = gate.current_tasks(summary, "v2", "base")
     assert list(current) == ["a"]
     assert stale == ["b: its task file or data changed since it was scored",
@@ -165,16 +166,16 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
         path.write_text(RECIPE.format(description=description, bits=bits))
         quantize.quantize(embedded, recipes.load(str(path)))
         variants.append(name)
-    models = evaluate.variant_models(embedded, variants)
+    models = variants_of(embedded, variants)
     # one short task keeps this test to about a minute on 2 CPU cores
     tasks = suites.select(tasks=["app_grammar"])
-    report = evaluate.evaluate(embedded, models, tasks, evaluate.Settings(limit=30, backend="hf"),
-                               with_divergence=False)
+    report = evaluate.evaluate(embedded, models, tasks,
+                               EvalSettings(limit=30, backend="hf", divergence=False))
 
     # the embedded baseline is well above chance (0.5) here, so recovery is a signal
-    base = report["baseline (emulated)"]["results"]
+    base = report["baseline (emulated)"].results
     assert base["app_grammar"].metrics["acc,none"] >= 0.8
-    assert report["crude-w2"]["recoveries"]["app_grammar"]["acc,none"].recovery_pct < 90
+    assert report["crude-w2"].recoveries["app_grammar"]["acc,none"].recovery_pct < 90
 
     crude, fine = gate.gate(embedded, variants)
     # 30 items: the crude variant's interval may still reach the threshold (inconclusive);
@@ -184,10 +185,9 @@ def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
                for line in crude.failed + crude.inconclusive)
     assert fine.ok, fine
     with pytest.raises(gate.GateFailed) as info:
-        gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=variants,
-                                    threshold=None, level="suite"))
+        gate.run(GateSettings(recipes=tuple(variants)))
     assert info.value.exit_code == 1
     assert "crude-w2 (" in str(info.value) and "suite app" in str(info.value)
     assert "fine-w8" not in str(info.value)
-    assert gate.run(argparse.Namespace(baseline="smollm2-135m-instruct", recipe=["fine-w8"],
-                                       threshold=None, level="suite")) == 0
+    (verdict,) = gate.run(GateSettings(recipes=("fine-w8",)))
+    assert verdict.ok

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from pipeline import campaign
-from pipeline.bench import run as bench
-from pipeline.core import hardware, tracking
-from pipeline.eval import run as evaluate
+from pipeline.bench import measure, stage
+from pipeline.core import campaigns, hardware, tracking
+from pipeline.core.artifacts import PlanTarget
+from pipeline.core.variant import Variant
+from pipeline.eval import EvalSettings, lm
 from pipeline.plan import capacity
-from pipeline.report import compare
-from pipeline.serve import engine_metrics
-from pipeline.serve import server as serve
-from pipeline.serve.server import EngineSettings, VllmServer
+from pipeline.report.compare import resolve_plan_target
+from pipeline.serve import EngineSettings, VllmServer, engine_metrics, failure, server
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -70,7 +70,7 @@ def test_fp8_on_ampere_is_recorded_as_weight_only_with_its_memory_split() -> Non
 
 
 class _FakeServer:
-    """The parts of a VllmServer that _record_kv reads."""
+    """The parts of a VllmServer that record_engine reads."""
 
     def __init__(self, metrics: str, log: str, target: str = "cuda") -> None:
         self._metrics, self._log, self.target = metrics, log, target
@@ -95,53 +95,56 @@ def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path
                f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
                f'kv_cache_max_concurrency="{engine.max_concurrency}",'
                f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
-    record = bench.ModelRecord(bench.Model("fp8", tmp_path, "id", "float-quantized"))
-    bench._record_kv(record, _FakeServer(metrics, A100_FP8_LOG), EngineSettings(max_model_len=2048))
+    fp8 = Variant("fp8", tmp_path, "id", "float-quantized")
+    record = measure.ModelRecord(fp8)
+    measure.record_engine(record, _FakeServer(metrics, A100_FP8_LOG),  # type: ignore[arg-type]
+                          EngineSettings(max_model_len=2048))
     assert record.kv[tracking.KV_CACHE_MEMORY_BYTES] == budget
     assert record.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] == pytest.approx(1.0, abs=0.01)
     assert record.engine["kv_budget_source"].startswith("engine log")
     assert record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] == int(8.49 * 2**30)
     assert record.engine["fp8_weight_only"] and record.engine["enforce_eager"] is False
     # without the log line there is no budget to plan from: no made-up comparison
-    bare = bench.ModelRecord(bench.Model("fp8", tmp_path, "id", "float-quantized"))
-    bench._record_kv(bare, _FakeServer(metrics, ""), EngineSettings(max_model_len=2048))
+    bare = measure.ModelRecord(fp8)
+    measure.record_engine(bare, _FakeServer(metrics, ""),  # type: ignore[arg-type]
+                          EngineSettings(max_model_len=2048))
     assert tracking.KV_CACHE_TOKENS_VS_PLANNED not in bare.kv
     assert bare.engine["kv_budget_source"].startswith("unknown")
 
 
 def test_an_fp8_kv_cache_asked_through_vllm_args_is_planned_as_fp8() -> None:
-    assert bench._kv_dtype(EngineSettings()) == "bf16"
-    assert bench._kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype=fp8_e4m3",))) == "fp8"
-    assert bench._kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype", "fp8"))) == "fp8"
+    assert measure.kv_dtype(EngineSettings()) == "bf16"
+    assert measure.kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype=fp8_e4m3",))) == "fp8"
+    assert measure.kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype", "fp8"))) == "fp8"
 
 
 def test_the_plan_target_is_the_card_this_machine_has() -> None:
-    auto = compare.PlanTarget()
+    auto = PlanTarget()
     a100 = _gpu("NVIDIA A100-SXM4-40GB", 40960, "8.0")
-    target, note = auto.resolved(a100)
+    target, note = resolve_plan_target(auto, a100)
     assert target.gpu == "a100-40gb" and note == ""
     h200 = _gpu("NVIDIA H200", 143771, "9.0")
-    assert auto.resolved(h200)[0].gpu == "h200-141gb"
+    assert resolve_plan_target(auto, h200)[0].gpu == "h200-141gb"
     odd = _gpu("NVIDIA RTX 6000 Ada Generation", 49140, "8.9")
-    target, _ = auto.resolved(odd)
+    target, _ = resolve_plan_target(auto, odd)
     assert target.memory_gb == pytest.approx(49140 * 2**20 / 1e9)
     cpu = hardware.Profile("cpu", "x86_64", "x", 2, ("avx2",), "native", "0.32.0")
-    target, note = auto.resolved(cpu)
+    target, note = resolve_plan_target(auto, cpu)
     assert target.gpu == "h100-80gb" and "this machine has no GPU" in note
     # asked for an H100 on an A100: planned as asked, and the report says it differs
-    target, note = compare.PlanTarget(gpu="h100-80gb").resolved(a100)
+    target, note = resolve_plan_target(PlanTarget(gpu="h100-80gb"), a100)
     assert target.gpu == "h100-80gb" and "not for this machine's NVIDIA A100-SXM4-40GB" in note
 
 
 def test_caches_and_refusals_are_kept_per_gpu_model(monkeypatch: pytest.MonkeyPatch,
                                                     workspace: Path) -> None:
-    models = [bench.Model("none", Path("/m"), "id", "dense")]
+    models = [Variant("baseline", Path("/m"), "id")]
     keys = {}
     for profile in (_gpu("NVIDIA L40S", 46068, "8.9"), _gpu("NVIDIA H100 80GB HBM3", 81559,
                                                              "9.0")):
         monkeypatch.setattr(hardware, "profile", lambda p=profile: p)
-        keys[profile.key()] = (bench._cache_key(models, [], EngineSettings(), "cuda"),
-                               serve._refusal_file("id").name)
+        keys[profile.key()] = (stage.cache_key(models, [], EngineSettings(), "cuda"),
+                               failure._refusal_file("id").name)
     (l40s_bench, l40s_refusal), (h100_bench, h100_refusal) = keys.values()
     assert l40s_bench != h100_bench and l40s_refusal != h100_refusal
     assert "sm89" in l40s_refusal and "sm90" in h100_refusal
@@ -150,18 +153,25 @@ def test_caches_and_refusals_are_kept_per_gpu_model(monkeypatch: pytest.MonkeyPa
 def test_one_engine_configuration_for_every_server_of_a_campaign() -> None:
     """GPU_UTIL and MAX_MODEL_LEN reach eval's servers as well as bench's; calibration settings
     reach every quantize stage."""
-    spec = campaign.load("default")
-    steps = dict(campaign.stage_commands(
-        spec, "tiny", engine_args=["--gpu-memory-utilization=0.5", "--vllm-arg=--enable-lora"],
-        calibration_args=["--calib-samples", "512"]))
-    for stage in ("bench", "eval"):
-        assert "--gpu-memory-utilization=0.5" in steps[stage]
-        assert "--vllm-arg=--enable-lora" in steps[stage]
-    assert steps["quantize int4"][-2:] == ["--calib-samples", "512"]
-    settings = evaluate.Settings(engine=EngineSettings(gpu_memory_utilization=0.5,
-                                                       extra_args=("--enable-lora",)))
-    model = evaluate.Model("x", "x", Path("/nowhere"), "id")
-    engine = evaluate.engine_for(model, settings)
+    from pipeline.cli import build_parser
+    from pipeline.core.settings import from_args
+
+    args = build_parser("campaign").parse_args([
+        "campaign", "--baseline=tiny", "--gpu-memory-utilization=0.5",
+        "--vllm-arg=--enable-lora", "--calib-samples", "512"])
+    settings = from_args(campaign.CampaignSettings, args)
+    quantize, bench, evaluate = campaign.stages(settings, settings.file())
+    assert bench is not None
+    for one in (bench, evaluate):
+        assert one.engine.gpu_memory_utilization == 0.5
+        assert one.engine.extra_args == ("--enable-lora",)
+    for name, one in (("bench", bench), ("eval", evaluate)):
+        line = one.command(name)
+        assert "--gpu-memory-utilization=0.5" in line and "--vllm-arg=--enable-lora" in line
+    assert {q.calibration.calib_samples for q in quantize} == {512}
+    settings = EvalSettings(engine=EngineSettings(gpu_memory_utilization=0.5,
+                                                  extra_args=("--enable-lora",)))
+    engine = lm.engine_for(Variant("x", Path("/nowhere"), "id"), settings)
     assert engine.gpu_memory_utilization == 0.5 and engine.extra_args == ("--enable-lora",)
 
 
@@ -170,10 +180,10 @@ def test_mig_instances_report_no_memory_without_killing_the_sampler(
     out = "4242, [N/A]\n4243, 1024\n"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout=out, stderr=""))
-    assert serve._gpu_memory_of({4242, 4243}) == 1024 * 2**20
+    assert server.gpu_memory_of({4242, 4243}) == 1024 * 2**20
 
 
 def test_the_full_campaign_leads_with_a_gpu_sized_workload_on_every_item() -> None:
-    full = campaign.load("full")
+    full = campaigns.load("full")
     assert full.workloads[0] == "smoke" and full.limit == "all"
     assert full.plan.gpu == "auto"

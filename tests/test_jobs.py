@@ -76,13 +76,10 @@ def test_keep_going_runs_the_others_and_returns_the_failures(tmp_path: Path) -> 
     assert [(f.job.label, f.code) for f in failed] == [("bad", 3)]
 
 
-def test_a_campaign_leaves_a_failed_recipe_out_of_the_later_stages() -> None:
-    from pipeline import campaign
+def test_a_failed_quantize_is_explained_by_its_last_error_line() -> None:
+    from pipeline.quantize.parallel import last_error
 
-    argv = ["bench", "--baseline", "b", "--recipe", "fp8", "--recipe", "int4", "--force"]
-    assert campaign._without(argv, {"int4"}) == ["bench", "--baseline", "b", "--recipe", "fp8",
-                                                 "--force"]
-    assert campaign._last_error("x\nTraceback\nValueError: bad scheme\n") == \
-        "ValueError: bad scheme"
-    assert campaign._last_error("[quantize] x\nqpipe quantize: recipe broke\n") == \
+    assert last_error("x\nTraceback\nValueError: bad scheme\n") == "ValueError: bad scheme"
+    assert last_error("[quantize] x\nqpipe quantize: recipe broke\n") == \
         "qpipe quantize: recipe broke"
+    assert last_error("") == "no output"

@@ -14,6 +14,7 @@ from pipeline.core.paths import PROJECT_ROOT
 from pipeline.plan import capacity
 from pipeline.plan import cli as plan
 from pipeline.plan.accelerators import get_accelerator, known_accelerators
+from pipeline.plan.settings import DEFAULT_RESERVE_GB
 
 GB = 10**9
 # what `make plan MODEL=gpt-oss-120b GPU=h100-80gb ... WEIGHTS=mxfp4 KV_DTYPE=bf16` passes
@@ -68,7 +69,7 @@ def test_real_h100_budget_after_mxfp4_weights(capsys):
     memory = get_accelerator("h100-80gb").memory_bytes
     weights = out["weights_by_precision"]["mxfp4"]
     assert out[capacity.WEIGHT_BYTES] == weights < 80 * GB
-    budget = int(memory * 0.9) - weights - int(plan.DEFAULT_RESERVE_GB * GB)
+    budget = int(memory * 0.9) - weights - int(DEFAULT_RESERVE_GB * GB)
     assert out[capacity.KV_BUDGET_BYTES] == budget
     per_request = 8192 * 36_864 + 18 * 128 * 2048
     assert out[capacity.MAX_CONCURRENCY_PAGED] == budget // per_request

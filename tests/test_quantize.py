@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import paths, tracking
+from pipeline.core.artifacts import Manifest
 from pipeline.core.errors import OutputError, RecipeError
 from pipeline.plan import capacity
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
+from pipeline.quantize import stage as quantize
 
 from .conftest import run_cli
 
@@ -57,19 +58,19 @@ def test_every_recipe_quantizes_reloads_and_generates(
 
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == fmt
-    assert manifest["format"] == fmt
-    assert manifest["quantized_layers"] == 14  # 2 layers x 7 linears; lm_head stays bf16
-    assert manifest["quantized_layer_bytes_ratio"] <= bound
-    assert manifest["compression_ratio"] > 1
-    assert manifest["baseline"]["identity"] == base.identity
-    assert manifest["peak_rss_bytes"] > 0 and manifest["quantize_seconds"] > 0
-    assert json.loads((out / quantize.MANIFEST).read_text()) == manifest
+    assert manifest.format == fmt
+    assert manifest.quantized_layers == 14  # 2 layers x 7 linears; lm_head stays bf16
+    assert manifest.quantized_layer_bytes_ratio <= bound
+    assert manifest.compression_ratio > 1
+    assert manifest.baseline["identity"] == base.identity
+    assert manifest.peak_rss_bytes > 0 and manifest.quantize_seconds > 0
+    assert Manifest.read(out / Manifest.FILE) == manifest == Manifest.load(base.name, name)
 
     # The capacity planner predicts these bytes from config.json alone (issue: within 3%).
     arch = capacity.parse_architecture(config)
     planned = capacity.estimate_weights(
         arch, name, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
-    assert abs(planned - manifest["weight_bytes"]) <= 0.03 * manifest["weight_bytes"]
+    assert abs(planned - manifest.weight_bytes) <= 0.03 * manifest.weight_bytes
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -84,25 +85,22 @@ def test_every_recipe_quantizes_reloads_and_generates(
     for metric in (tracking.CHECKPOINT_BYTES, tracking.WEIGHT_BYTES, tracking.COMPRESSION_RATIO,
                    tracking.QUANTIZE_SECONDS, tracking.PEAK_RSS_BYTES):
         assert run.data.metrics[metric] > 0
-    assert run.data.metrics[tracking.WEIGHT_BYTES] == manifest["weight_bytes"]
+    assert run.data.metrics[tracking.WEIGHT_BYTES] == manifest.weight_bytes
 
 
-def test_unchanged_inputs_do_no_work_and_force_redoes(
-    tiny_model: Path, workspace: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_unchanged_inputs_do_no_work_and_force_redoes(tiny_model: Path, workspace: Path) -> None:
     base = baselines.resolve(str(tiny_model))
     first = quantize.quantize(base, _quick("fp8"))
-    capsys.readouterr()
+    weights = paths.variant_dir(base.name, "fp8") / "model.safetensors"
+    written = weights.stat().st_mtime_ns
     again = quantize.quantize(base, _quick("fp8"))
-    assert "up to date" in capsys.readouterr().out
-    assert again == first
+    assert again == first and weights.stat().st_mtime_ns == written  # nothing was redone
     assert len(_mlflow_runs(workspace, base.name)) == 1  # not logged twice
 
     changed = quantize.quantize(base, _quick("int4").with_calibration(num_samples=4))
-    assert changed["cache_key"] != first["cache_key"]
+    assert changed.cache_key != first.cache_key
     redone = quantize.quantize(base, _quick("fp8"), force=True)
-    assert redone["cache_key"] == first["cache_key"]
-    assert "up to date" not in capsys.readouterr().out
+    assert redone.cache_key == first.cache_key and weights.stat().st_mtime_ns != written
 
 
 def test_group_size_that_does_not_divide_a_layer_stops_early(

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
-from pipeline.eval import divergence, suites
+from pipeline.eval import divergence, prepare, suites, validate
 
 from .conftest import CALIBRATION, run_cli
 
@@ -48,7 +48,7 @@ def _task(tmp_path: Path, rows: list = ROWS, name: str = "my_test_task", text: s
 
 def _problems(path: Path) -> str:
     with pytest.raises(ConfigError) as info:
-        suites.validate([path])
+        validate.validate([path])
     return str(info.value)
 
 
@@ -58,17 +58,17 @@ def test_shipped_suites_and_template_validate() -> None:
     assert "_template" not in found and "_heldout" not in found
     names = {t.name for t in found["app"]}
     assert names == {"app_grammar", "app_facts", "app_json"}
-    suites.prepare(quiet=True)
-    tasks = suites.validate([paths.EVALS_DIR / "app", paths.EVALS_DIR / "standard",
+    prepare.prepare(quiet=True)
+    tasks = validate.validate([paths.EVALS_DIR / "app", paths.EVALS_DIR / "standard",
                              paths.EVALS_DIR / "_template" / "template_task.yaml"])
     assert len(tasks) == 6
-    assert sum(suites.count_items(t) for t in found["app"]) in range(100, 301)
+    assert sum(validate.count_items(t) for t in found["app"]) in range(100, 301)
 
 
 def test_a_valid_new_task_passes(tmp_path: Path) -> None:
-    (task,) = suites.validate([_task(tmp_path)])
+    (task,) = validate.validate([_task(tmp_path)])
     assert task.name == "my_test_task" and task.primary_metric == "acc,none"
-    assert suites.count_items(task) == 3
+    assert validate.count_items(task) == 3
 
 
 def test_missing_data_file_names_the_yaml_line(tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_unknown_suite_lists_the_suites() -> None:
 
 
 def test_prepared_standard_data() -> None:
-    suites.prepare(quiet=True)
+    prepare.prepare(quiet=True)
     data = paths.PROJECT_ROOT / "evals/standard/data"
     mmlu = [json.loads(line) for line in (data / "mmlu.jsonl").read_text().splitlines()]
     assert len(mmlu) == 570
@@ -145,10 +145,10 @@ def test_a_task_read_before_its_data_was_prepared_gets_its_identity_after(
     shutil.copytree(paths.PROJECT_ROOT / "evals" / "standard", tmp_path / "evals" / "standard",
                     ignore=shutil.ignore_patterns("data"))
     monkeypatch.setattr(paths, "PROJECT_ROOT", tmp_path)  # data_files are relative to it
-    monkeypatch.setattr(suites, "prepare", lambda **_: (data.mkdir(parents=True, exist_ok=True),
+    monkeypatch.setattr(prepare, "prepare", lambda **_: (data.mkdir(parents=True, exist_ok=True),
                                                         (data / "mmlu.jsonl").write_text("{}\n")))
     (before,) = [t for t in suites.discover()["standard"] if t.name == "qpipe_mmlu"]
-    (after,) = suites.prepare_for([before])
+    (after,) = prepare.prepare_for([before])
     (now,) = [t for t in suites.discover()["standard"] if t.name == "qpipe_mmlu"]
     assert before.sha256 != after.sha256 == now.sha256
 

@@ -11,7 +11,7 @@ from pipeline.core import tracking
 from pipeline.core.errors import TrackingError
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
-from pipeline.quantize import run as quantize
+from pipeline.quantize import stage as quantize
 from tests.conftest import run_cli
 
 
@@ -54,4 +54,4 @@ def test_a_variant_whose_record_failed_is_recorded_by_the_next_run(
 
     manifest = quantize.quantize(base, recipe)  # up to date: no work, but now recorded
     assert "is up to date" in capsys.readouterr().out
-    assert tracking.find_run(base.name, quantize.STAGE, manifest["cache_key"])
+    assert tracking.find_run(base.name, quantize.STAGE, manifest.cache_key)

@@ -28,7 +28,7 @@ from pipeline.core import paths
 from pipeline.core.errors import ConfigError
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
-DEFAULT_WORKLOADS = ("chat", "prefix")
+
 DATASETS = ("random", "prefix_repetition")
 PERCENTILES = "50,99"
 

@@ -178,9 +178,38 @@ def _profile(target: str, isa: str, vllm: str) -> Profile:
 
 def profile() -> Profile:
     """This machine as the serving engine sees it (cached per target, forced ISA and vLLM)."""
-    from pipeline.serve.server import serve_target, vllm_version
+    from pipeline.core.provenance import vllm_version
 
     return _profile(serve_target(), forced_isa(), vllm_version())
+
+
+def torch_device() -> str:
+    """Where torch runs work in this process: ``cuda`` when it sees a GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_device_name() -> str:
+    """The GPU's name, or ``cpu``: recorded with what was computed on it."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch_device() == "cuda" else "cpu"
+
+
+def serve_target() -> str:
+    """``cuda`` where a GPU is visible, else ``cpu`` (``QPIPE_SERVE_TARGET`` overrides)."""
+    target = os.environ.get("QPIPE_SERVE_TARGET", os.environ.get("SERVE_TARGET", "auto"))
+    return target if target != "auto" else _detected_target()
+
+
+@functools.lru_cache(maxsize=1)
+def _detected_target() -> str:
+    try:
+        subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, timeout=20)
+        return "cuda"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
 
 
 def serving_environment(isa: str) -> dict[str, str]:

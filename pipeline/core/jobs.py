@@ -13,7 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.core import log as qlog
+from pipeline.core import procs
 from pipeline.core.errors import QpipeError
+
+log = qlog.get("all")
 
 
 class JobFailed(QpipeError):
@@ -33,9 +37,8 @@ class Job:
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=self.cwd)
+        self.log.write_bytes(b"")
+        self.proc = procs.start(self.argv, log=self.log, cwd=self.cwd, die_with_parent=True)
         self.started = time.monotonic()
 
     def tail(self, size: int = 8192) -> str:
@@ -47,13 +50,8 @@ class Job:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM (the command removes its temp directories), then SIGKILL after 60 s."""
+        procs.stop(self.proc, timeout=60)
 
 
 def clock(seconds: float) -> str:
@@ -80,7 +78,7 @@ def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda
                 job = waiting.pop(0)
                 job.start()
                 running.append(job)
-                print(f"[all] {job.label}: started (log {job.log})", flush=True)
+                log.info(f"{job.label}: started (log {job.log})")
             time.sleep(poll_s)
             for job in list(running):
                 assert job.proc is not None
@@ -99,7 +97,7 @@ def run_all(jobs: list[Job], slots: int, on_done: Callable[[Job], None] = lambda
                 states = [_state(job, last_beat, progress) for job in running]
                 if waiting:
                     states.append(f"{len(waiting)} waiting")
-                print(f"[all] running: {'; '.join(states)}", flush=True)
+                log.info(f"running: {'; '.join(states)}")
     finally:
         for job in running:
             job.stop()

@@ -16,6 +16,19 @@ CONFIGS_DIR = PROJECT_ROOT / "configs"
 CALIBRATION_DIR = RECIPES_DIR / "calibration"
 
 
+def relative(path: Path) -> Path:
+    """``path`` relative to the project when inside it (shorter to read, the same on every
+    checkout), else as it is."""
+    try:
+        return Path(path).resolve().relative_to(PROJECT_ROOT)
+    except ValueError:
+        return Path(path)
+
+
+def shown(path: Path) -> str:
+    return str(relative(path))
+
+
 def find_yaml(name_or_path: str, directory: Path) -> Path | None:
     """A YAML file given by path, or by name (stem) in ``directory``; None if neither exists."""
     path = Path(name_or_path).expanduser()

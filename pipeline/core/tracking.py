@@ -178,7 +178,7 @@ KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used
 
 # evaluate. Scores are "<task>.<metric>": app_facts.acc, qpipe_gsm8k.exact_match/strict-match
 RECOVERY_PREFIX = "recovery_pct."  # + task: variant / baseline score x 100 (the task's metric)
-RECOVERY_CI_LOW_PREFIX = "recovery_pct_ci_low."  # + task: paired bootstrap 95% interval
+RECOVERY_CI_LOW_PREFIX = "recovery_pct_ci_low."  # + task: lower end of its 95% interval
 RECOVERY_CI_HIGH_PREFIX = "recovery_pct_ci_high."
 FLIP_RATE_PREFIX = "flip_rate."  # + task: share of items whose correctness changed either way
 FLIPS_PREFIX = "flips."  # + task: their count

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
 
-from pipeline.core import paths
+from pydantic import Field
+
+from pipeline.core import log as qlog
+from pipeline.core import paths, procs
 from pipeline.core.errors import ConfigError
+from pipeline.core.settings import StageSettings
+
+log = qlog.get("ui")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -30,31 +33,20 @@ def server_env() -> dict[str, str]:
             "MLFLOW_ALLOW_FILE_STORE": "true"}
 
 
-def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after ``timeout``."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+class UiSettings(StageSettings):
+    port: int = Field(5000, description="port on 127.0.0.1",
+                      json_schema_extra={"make": "MLFLOW_PORT"})
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (%(default)s)")
-
-
-def run(args: argparse.Namespace) -> int:
-    if not port_is_free(args.port):
-        raise ConfigError(f"port {args.port} on 127.0.0.1 is in use (another `make ui`?): open "
-                          f"http://127.0.0.1:{args.port} or choose another with MLFLOW_PORT=.")
-    print(f"[ui] MLflow UI on http://127.0.0.1:{args.port} over {paths.default_tracking_uri()} "
-          "(Ctrl-C stops it)")
-    proc = subprocess.Popen(server_command(args.port), env=server_env(), start_new_session=True)
+def run(settings: UiSettings) -> int:
+    if not port_is_free(settings.port):
+        raise ConfigError(f"port {settings.port} on 127.0.0.1 is in use (another `make ui`?): open "
+                          f"http://127.0.0.1:{settings.port} or choose another with MLFLOW_PORT=.")
+    log.info(f"MLflow UI on http://127.0.0.1:{settings.port} over {paths.default_tracking_uri()} "
+             "(Ctrl-C stops it)")
+    proc = procs.start(server_command(settings.port), env=server_env(), die_with_parent=True)
     try:
         return proc.wait()
     finally:
-        stop(proc)
-        print("[ui] stopped")
+        procs.stop(proc, timeout=15)
+        log.info("stopped")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import paths
+from pipeline.core import hardware, paths
 from pipeline.core.errors import ConfigError
 
 HELDOUT = paths.EVALS_DIR / "_heldout" / "heldout.txt"
@@ -71,9 +71,7 @@ def windows(token_ids: list[int], seq_len: int = SEQ_LEN) -> list[list[int]]:
 def device() -> str:
     """Where the check runs: the GPU when there is one (minutes for an 8B model on a host CPU
     without bf16 units, and a 70B does not fit in its RAM), else the CPU."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return hardware.torch_device()
 
 
 def load_model(model_dir: Path) -> Any:

@@ -24,20 +24,28 @@ meaningful when no suite is. ``make gate`` exits 0 only when every variant judge
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import log as qlog
 from pipeline.core import paths
+from pipeline.core.artifacts import (
+    EMULATED,
+    SERVED,
+    EvalFailure,
+    RecoverySummary,
+    TaskEntry,
+    manifests,
+)
 from pipeline.core.errors import ConfigError, QpipeError, RecipeError
-from pipeline.core.fsutil import read_json
+from pipeline.core.variant import BaselineLike
 from pipeline.eval import recovery, suites
-from pipeline.eval import run as evaluate
-from pipeline.quantize import baseline as baselines
-from pipeline.quantize import checkpoint, recipes
+from pipeline.eval.settings import LEVELS, GateSettings
+from pipeline.quantize import recipes
 
-LEVELS = ("suite", "task")
+log = qlog.get("gate")
+
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 NOT_MEANINGFUL, NOT_EVALUATED = "not meaningful", "not evaluated"
 
@@ -108,40 +116,38 @@ def _task_shas() -> dict[str, str]:
     return {t.name: t.sha256 for ts in suites.discover().values() for t in ts}
 
 
-def current_tasks(summary: dict[str, Any], identity: str, baseline_identity: str | None = None
-                  ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+Entries = dict[str, TaskEntry]
+
+
+def current_tasks(summary: RecoverySummary | None, identity: str,
+                  baseline_identity: str | None = None) -> tuple[Entries, list[str]]:
     """(task -> entry) of the results scored on this checkpoint, against this baseline, with the
     task as it is now; and one line per result left out, saying why."""
     shas = _task_shas()
     current, stale = {}, []
-    for name, entry in sorted(summary.get("tasks", {}).items()):
-        if entry.get("identity") != identity:
+    for name, entry in sorted((summary.tasks if summary else {}).items()):
+        if entry.identity != identity:
             stale.append(f"{name}: scored on another checkpoint of this variant")
-        elif baseline_identity and entry.get("baseline_identity") != baseline_identity:
+        elif baseline_identity and entry.baseline_identity != baseline_identity:
             stale.append(f"{name}: scored against another baseline")
-        elif entry.get("task_sha") != (shas.get(name) or suites.builtin_task_sha(name)):
+        elif entry.task_sha != (shas.get(name) or suites.builtin_task_sha(name)):
             stale.append(f"{name}: its task file or data changed since it was scored")
         else:
             current[name] = entry
     return current, stale
 
 
-def primary(entry: dict[str, Any]) -> dict[str, Any] | None:
-    return entry.get("recovery", {}).get(entry.get("primary_metric"))
-
-
-def suite_figures(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def suite_figures(entries: Entries) -> dict[str, dict[str, Any]]:
     """Suite -> its figure (``SuiteRecovery.as_dict()`` + backend), from current task entries."""
-    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    groups: dict[str, Entries] = {}
     for name, entry in entries.items():
-        r = primary(entry)
-        if r is not None:
-            groups.setdefault(entry.get("suite", "-"), {})[name] = entry
+        if entry.primary() is not None:
+            groups.setdefault(entry.suite, {})[name] = entry
     out = {}
     for suite, members in sorted(groups.items()):
-        fig = recovery.suite_from_tasks({n: primary(e) for n, e in members.items()}).as_dict()
-        backends = {e.get("backend") for e in members.values()}
-        fig["backend"] = evaluate.EMULATED if evaluate.EMULATED in backends else evaluate.SERVED
+        fig = recovery.suite_from_tasks({n: e.primary() for n, e in members.items()}).as_dict()
+        fig["backend"] = EMULATED if any(e.backend == EMULATED for e in members.values()) \
+            else SERVED
         out[suite] = fig
     return out
 
@@ -175,13 +181,13 @@ def _sort(line: str, low: float, high: float, threshold: float, out: dict[str, l
 
 
 def _mark(backend: str | None) -> str:
-    return " [emulated]" if backend == evaluate.EMULATED else ""
+    return " [emulated]" if backend == EMULATED else ""
 
 
-def _judge_tasks(entries: dict[str, dict[str, Any]], threshold: float,
+def _judge_tasks(entries: Entries, threshold: float,
                  out: dict[str, list[str]]) -> None:
     for task, entry in sorted(entries.items()):
-        r = primary(entry)
+        r = entry.primary()
         if r is None:
             continue
         if not r["meaningful"] or r["recovery_pct"] is None or r["ci_low"] is None:
@@ -189,13 +195,13 @@ def _judge_tasks(entries: dict[str, dict[str, Any]], threshold: float,
                 f"{task}: not meaningful (baseline {r['baseline_score']:.3f} is within noise "
                 f"of chance {r['chance']:.3f})")
             continue
-        line = (f"{task}{_mark(entry.get('backend'))}: recovery {r['recovery_pct']:.1f}% "
+        line = (f"{task}{_mark(entry.backend)}: recovery {r['recovery_pct']:.1f}% "
                 f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}], {r['flips']}/{r['n']} flips")
         _sort(line, r["ci_low"], r["ci_high"], threshold, out,
               _certify(r["n"], r.get("certifiable_pct"), threshold, r["baseline_score"]))
 
 
-def _judge_suites(entries: dict[str, dict[str, Any]], threshold: float,
+def _judge_suites(entries: Entries, threshold: float,
                   out: dict[str, list[str]]) -> None:
     for suite, fig in suite_figures(entries).items():
         mark = _mark(fig.get("backend"))
@@ -205,20 +211,20 @@ def _judge_suites(entries: dict[str, dict[str, Any]], threshold: float,
         line = (f"suite {suite}{mark}: recovery {fig['recovery_pct']:.1f}% [95% CI "
                 f"{fig['ci_low']:.1f}, {fig['ci_high']:.1f}] over {', '.join(fig['tasks'])} "
                 f"({fig['items']} items)")
-        sinking = [t for t in fig["tasks"] if primary(entries[t])["ci_high"] < threshold]
+        sinking = [t for t in fig["tasks"] if entries[t].primary()["ci_high"] < threshold]
         if sinking:
-            lows = ", ".join(f"{t} {primary(entries[t])['recovery_pct']:.1f}% [upper end "
-                             f"{primary(entries[t])['ci_high']:.1f}]" for t in sinking)
+            lows = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% [upper end "
+                             f"{entries[t].primary()['ci_high']:.1f}]" for t in sinking)
             out["failed"].append(f"{line}; task {lows} < threshold {threshold:g}: one task's "
                                  "loss is not averaged away")
             continue
-        scores = [primary(entries[t]) for t in fig["tasks"]]
+        scores = [entries[t].primary() for t in fig["tasks"]]
         pooled = sum(r["baseline_score"] * r["n"] for r in scores) / max(fig["items"], 1)
         _sort(line, fig["ci_low"], fig["ci_high"], threshold, out,
               _certify(fig["items"], fig.get("certifiable_pct"), threshold, pooled))
 
 
-def judge(entries: dict[str, dict[str, Any]], recipe: str, threshold: float,
+def judge(entries: Entries, recipe: str, threshold: float,
           level: str = "suite", stale: list[str] | None = None) -> Verdict:
     """Compare each suite's (or task's) interval of the current ``entries`` with ``threshold``."""
     if level not in LEVELS:
@@ -229,57 +235,49 @@ def judge(entries: dict[str, dict[str, Any]], recipe: str, threshold: float,
                    out["inconclusive"], level, list(stale or []))
 
 
-def judge_variant(baseline: baselines.Baseline, recipe: str, threshold: float | None = None,
+def judge_variant(baseline: BaselineLike, recipe: str, threshold: float | None = None,
                   level: str = "suite") -> Verdict:
     """The verdict on one variant's current evaluation (a failed last evaluation fails)."""
-    root = evaluate.cache_root(baseline.name) / recipe
     limit = threshold_of(recipe, paths.variant_dir(baseline.name, recipe), threshold)
-    manifest = checkpoint.variant_manifests(baseline.name, [recipe])[recipe]
-    failure = read_json(root / evaluate.FAILURE_FILE)
-    if failure.get("identity") == manifest["cache_key"]:
-        return Verdict(recipe, limit, [], [f"its last evaluation failed: "
-                                           f"{failure.get('reason', '?')}"], [], level=level)
-    summary = read_json(root / evaluate.SUMMARY_FILE)
-    entries, stale = current_tasks(summary, manifest["cache_key"], baseline.identity)
+    identity = manifests(baseline.name, [recipe])[recipe].cache_key
+    failure = EvalFailure.load(baseline.name, recipe)
+    if failure is not None and failure.identity == identity:
+        return Verdict(recipe, limit, [], [f"its last evaluation failed: {failure.reason}"], [],
+                       level=level)
+    entries, stale = current_tasks(RecoverySummary.load(baseline.name, recipe), identity,
+                                   baseline.identity)
     return judge(entries, recipe, limit, level, stale)
 
 
-def gate(baseline: baselines.Baseline, recipe_names: list[str] | None = None,
+def gate(baseline: BaselineLike, recipe_names: list[str] | None = None,
          threshold: float | None = None, level: str = "suite") -> list[Verdict]:
     """Judge every named variant (default: every variant with an evaluation)."""
-    root = evaluate.cache_root(baseline.name)
-    if recipe_names is None:
-        recipe_names = sorted(p.parent.name for p in root.glob(f"*/{evaluate.SUMMARY_FILE}"))
+    root = RecoverySummary.root(baseline.name)
+    if not recipe_names:
+        recipe_names = sorted(p.parent.name for p in root.glob(f"*/{RecoverySummary.FILE}"))
         if not recipe_names:
             raise ConfigError(f"no evaluation of a variant of {baseline.name} under {root}. Fix: "
                               "run `make eval` (or `make eval RECIPE=int4`) first.")
     for name in recipe_names:
-        if not (root / name / evaluate.SUMMARY_FILE).is_file() and not (
-                root / name / evaluate.FAILURE_FILE).is_file():
+        if not RecoverySummary.path(baseline.name, name).is_file() and not \
+                EvalFailure.path(baseline.name, name).is_file():
             raise ConfigError(f"variant {name!r} of {baseline.name} has not been evaluated "
-                              f"({root / name / evaluate.SUMMARY_FILE} is missing). Fix: run "
-                              f"`make eval RECIPE={name}` first.")
+                              f"({RecoverySummary.path(baseline.name, name)} is missing). Fix: "
+                              f"run `make eval RECIPE={name}` first.")
     return [judge_variant(baseline, name, threshold, level) for name in recipe_names]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    baselines.add_baseline_argument(parser)
-    parser.add_argument("--recipe", action="append",
-                        help="variant to judge (repeatable; default: every evaluated variant)")
-    parser.add_argument("--threshold", type=float,
-                        help="override every recipe's recovery_threshold_pct (percent)")
-    parser.add_argument("--level", choices=LEVELS, default="suite",
-                        help="judge each suite's interval (default) or each task's")
+def run(settings: GateSettings) -> list[Verdict]:
+    """``qpipe gate`` / ``make gate``: raises GateFailed (exit 1) unless every variant passes."""
+    from pipeline.quantize.baseline import resolve
 
-
-def run(args: argparse.Namespace) -> int:
-    base = baselines.resolve(args.baseline)
-    level = getattr(args, "level", "suite")
-    verdicts = gate(base, args.recipe, args.threshold, level)
+    base = resolve(settings.baseline)
+    level = settings.level
+    verdicts = gate(base, list(settings.recipes) or None, settings.threshold, level)
     failures = []
     for v in verdicts:
-        print(f"[gate] {v.recipe}: {v.status.upper()} (threshold {v.threshold:g}% on the lower "
-              f"end of each {level}'s 95% interval)")
+        log.info(f"{v.recipe}: {v.status.upper()} (threshold {v.threshold:g}% on the lower "
+                 f"end of each {level}'s 95% interval)")
         for mark, lines in (("ok   ", v.passed), ("FAIL ", v.failed), ("?    ", v.inconclusive),
                             ("skip ", v.skipped), ("stale", v.stale)):
             for line in lines:
@@ -288,4 +286,4 @@ def run(args: argparse.Namespace) -> int:
             failures.append(f"{v.recipe} ({v.status}): {v.reason()}")
     if failures:
         raise GateFailed("recovery not shown to clear the threshold:\n  " + "\n  ".join(failures))
-    return 0
+    return verdicts

@@ -1,34 +1,64 @@
-"""Capacity arithmetic from a model's ``config.json``: weight memory, KV cache, concurrency.
+"""Capacity arithmetic from a model's architecture: weight memory, KV cache, concurrency.
 
-Pure functions on plain dicts and small frozen dataclasses; nothing is read, loaded or printed.
-Sizes are bytes. In messages "GB" is 10^9 bytes and "GiB" 2^30.
-
-The KV model follows vLLM's paged allocator: every attention layer stores its cache in blocks of
-``block_size`` tokens; a full-attention layer keeps every token of a request, a sliding-window
-layer at most ``window`` tokens, and a multi-head-latent-attention (MLA) layer one compressed
-latent per token instead of per-head K and V.
+Pure functions on small frozen dataclasses; nothing is read, loaded or printed. Sizes are
+bytes. In messages "GB" is 10^9 bytes and "GiB" 2^30. The architecture itself is parsed by
+:mod:`pipeline.plan.architecture`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.plan.architecture import (
+    KV_DTYPE_BYTES,
+    Architecture,
+    KVLayer,
+    Matrix,
+    ModuleKind,
+    _architecture,
+    _cdiv,
+    _unknown,
+    kv_dtype_bytes,
+    parse_architecture,
+)
+from pipeline.plan.vllm_kv import VllmKVPrediction, predict_vllm_kv_cache
+
+__all__ = ["KV_DTYPE_BYTES", "Architecture", "KVLayer", "ModuleKind", "VllmKVPrediction",
+           "parse_architecture", "predict_vllm_kv_cache"]
 
 # --- metric names: the one place they are spelled (JSON keys, MLflow metrics) ----------------
+# --- metric names: the one place they are spelled (JSON keys, MLflow metrics) ----------------
 KV_BYTES_PER_TOKEN = "planned_kv_bytes_per_token"
+
+
 KV_BYTES_PER_REQUEST = "planned_kv_bytes_per_request"
+
+
 WEIGHT_BYTES = "planned_weight_bytes"
+
+
 KV_BUDGET_BYTES = "planned_kv_budget_bytes"
+
+
 KV_CACHE_TOKENS = "planned_kv_cache_tokens"  # predicted like vLLM's "KV cache size: N tokens"
+
+
 MAX_CONCURRENCY_WORST_CASE = "planned_max_concurrency_worst_case"
+
+
 MAX_CONCURRENCY_PAGED = "planned_max_concurrency_paged"
+
+
 MAX_CONCURRENCY_PAGED_SHARED_PREFIX = "planned_max_concurrency_paged_shared_prefix"
+
+
 # predicted like vLLM's "Maximum concurrency for L tokens per request: X"
 VLLM_MAX_CONCURRENCY = "planned_vllm_max_concurrency"
+
+
 PLANNED_METRICS: tuple[str, ...] = (
     KV_BYTES_PER_TOKEN,
     KV_BYTES_PER_REQUEST,
@@ -41,304 +71,15 @@ PLANNED_METRICS: tuple[str, ...] = (
     VLLM_MAX_CONCURRENCY,
 )
 
-KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
+
 WEIGHT_PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
+
+
 QUANTIZE_SCOPES: tuple[str, ...] = ("auto", "experts", "linear")
+
+
 # Module kinds never quantized: their weights stay bf16 in every precision.
 ALWAYS_HIGH_PRECISION: tuple[str, ...] = ("embeddings", "lm_head", "router", "norms")
-_NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
-_MISSING = object()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _unknown(what: str, value: str, choices: Sequence[str]) -> PlanError:
-    return PlanError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}.")
-
-
-# --- architecture ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KVLayer:
-    """One attention layer's cache: elements stored per token, and its window if it has one."""
-
-    kind: str  # "full", "sliding" or "mla"
-    elements_per_token: int  # K and V (2 x kv_heads x head_dim), or the MLA latent (rank + rope)
-    window: int | None = None  # a sliding-window layer keeps at most this many tokens
-
-    def bytes_per_token(self, kv_dtype: str) -> int:
-        return self.elements_per_token * kv_dtype_bytes(kv_dtype)
-
-    def tokens_held(self, context: int) -> int:
-        return context if self.window is None else min(context, self.window)
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """A weight matrix of ``rows`` outputs x ``cols`` inputs, present ``count`` times."""
-
-    rows: int
-    cols: int
-    count: int = 1
-
-    @property
-    def params(self) -> int:
-        return self.rows * self.cols * self.count
-
-
-@dataclass(frozen=True)
-class ModuleKind:
-    """All weights of one kind (e.g. every layer's attention projections) in the model."""
-
-    name: str
-    matrices: tuple[Matrix, ...] = ()
-    vectors: int = 0  # biases, norm weights, attention sinks: always kept in bf16
-
-    @property
-    def params(self) -> int:
-        return sum(m.params for m in self.matrices) + self.vectors
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the planner needs from a config: the cache of each layer and the weight shapes."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    kv_layers: tuple[KVLayer, ...]
-    modules: tuple[ModuleKind, ...]
-    num_experts: int = 0
-    max_position_embeddings: int | None = None
-    checkpoint_quantization: str | None = None  # quantization_config.quant_method, if any
-
-    @property
-    def params(self) -> int:
-        return sum(m.params for m in self.modules)
-
-    @property
-    def module_names(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.modules)
-
-    def describe(self) -> str:
-        counts = Counter(layer.kind for layer in self.kv_layers)
-        parts = [f"{counts['full']} full attention"] if counts["full"] else []
-        if counts["sliding"]:
-            windows = sorted({layer.window for layer in self.kv_layers if layer.window})
-            parts.append(f"{counts['sliding']} sliding window {'/'.join(map(str, windows))}")
-        if counts["mla"]:
-            parts.append(f"{counts['mla']} latent attention (MLA)")
-        moe = f", {self.num_experts} experts" if self.num_experts else ""
-        return f"{self.num_layers} layers ({', '.join(parts)}){moe}"
-
-
-def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The language model's config: a nested ``text_config`` (or similar) over the outer keys."""
-    for key in _NESTED_CONFIGS:
-        inner = config.get(key)
-        if isinstance(inner, Mapping):
-            outer = {
-                k: v
-                for k, v in config.items()
-                if not k.endswith("_config") or k == "quantization_config"
-            }
-            inner_fields = {k: v for k, v in text_config(inner).items() if v is not None}
-            return {**outer, **inner_fields}
-    return dict(config)
-
-
-def _field(cfg: Mapping[str, Any], *names: str, needed_for: str,
-           default: Any = _MISSING) -> Any:
-    for name in names:
-        if cfg.get(name) is not None:
-            return cfg[name]
-    if default is not _MISSING:
-        return default
-    also = f" (also looked for {', '.join(names[1:])})" if len(names) > 1 else ""
-    raise PlanError(f"the model config has no `{names[0]}`{also}; it is needed for {needed_for}.")
-
-
-def _positive_int(cfg: Mapping[str, Any], *names: str, needed_for: str,
-                  default: Any = _MISSING) -> Any:
-    value = _field(cfg, *names, needed_for=needed_for, default=default)
-    if value is default and default is not _MISSING:
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"the model config's `{names[0]}` is {value!r}; expected a positive "
-                        "integer.")
-    return value
-
-
-def _layer_windows(cfg: Mapping[str, Any], num_layers: int, model_type: str) -> list[int | None]:
-    """Each layer's sliding window (``None`` for full attention)."""
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        if len(layer_types) != num_layers:
-            raise PlanError(
-                f"the model config's `layer_types` lists {len(layer_types)} layers but "
-                f"`num_hidden_layers` is {num_layers}."
-            )
-        windows: list[int | None] = []
-        for i, kind in enumerate(layer_types):
-            if kind == "full_attention":
-                windows.append(None)
-            elif kind == "sliding_attention":
-                windows.append(_positive_int(cfg, "sliding_window", needed_for="sliding layers"))
-            else:
-                raise PlanError(
-                    f"layer {i} of the model config is of type {kind!r}; the planner knows "
-                    "`full_attention` and `sliding_attention` layers only."
-                )
-        return windows
-    window = cfg.get("sliding_window")
-    # Qwen2 and others carry a window they do not use: `use_sliding_window: false`.
-    if not window or cfg.get("use_sliding_window") is False:
-        return [None] * num_layers
-    window = _positive_int(cfg, "sliding_window", needed_for="sliding layers")
-    if cfg.get("use_sliding_window") and "max_window_layers" in cfg:
-        # Qwen2 semantics: the first `max_window_layers` layers use full attention.
-        first = int(cfg["max_window_layers"])
-        return [window if i >= first else None for i in range(num_layers)]
-    if "sliding_window_pattern" in cfg:  # Gemma 3: every Nth layer is global
-        pattern = int(cfg["sliding_window_pattern"])
-        return [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
-    if model_type == "gemma2":  # alternating, starting with a local layer
-        return [window if i % 2 == 0 else None for i in range(num_layers)]
-    return [window] * num_layers  # e.g. Mistral 7B v0.1: every layer
-
-
-def _is_moe_layer(cfg: Mapping[str, Any], i: int) -> bool:
-    if i < int(cfg.get("first_k_dense_replace") or 0):  # DeepSeek: first k layers dense
-        return False
-    if i in (cfg.get("mlp_only_layers") or []):  # Qwen-MoE
-        return False
-    if cfg.get("decoder_sparse_step"):
-        return (i + 1) % int(cfg["decoder_sparse_step"]) == 0
-    return i % int(cfg.get("moe_layer_freq") or 1) == 0
-
-
-def _attention(cfg: Mapping[str, Any], layers: int, hidden: int, heads: int,
-               model_type: str) -> tuple[tuple[KVLayer, ...], ModuleKind]:
-    """Each layer's KV cache, and the attention weights of all layers."""
-    vectors = 0
-    if cfg.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2)
-        rank = _positive_int(cfg, "kv_lora_rank", needed_for="MLA")
-        rope = _positive_int(cfg, "qk_rope_head_dim", needed_for="the MLA cache")
-        nope = _positive_int(cfg, "qk_nope_head_dim", needed_for="MLA shapes")
-        v_dim = _positive_int(cfg, "v_head_dim", needed_for="MLA shapes")
-        kv_layers = tuple(KVLayer("mla", rank + rope) for _ in range(layers))
-        q_rank = cfg.get("q_lora_rank")
-        if q_rank:  # q_a_proj, q_b_proj
-            shapes = [(q_rank, hidden), (heads * (nope + rope), q_rank)]
-        else:
-            shapes = [(heads * (nope + rope), hidden)]
-        # kv_a_proj_with_mqa, kv_b_proj, o_proj
-        shapes += [(rank + rope, hidden), (heads * (nope + v_dim), rank), (hidden, heads * v_dim)]
-        vectors = rank + (q_rank or 0)  # kv_a / q_a layernorms
-    else:
-        kv_heads = _positive_int(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
-                                 needed_for="the KV cache", default=heads)
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise PlanError(
-                    f"the model config has no `head_dim` and hidden_size {hidden} is not a "
-                    f"multiple of num_attention_heads {heads}; add `head_dim`."
-                )
-            head_dim = hidden // heads
-        head_dim = _positive_int({"head_dim": head_dim}, "head_dim", needed_for="the KV cache")
-        kv_layers = tuple(
-            KVLayer("full" if w is None else "sliding", 2 * kv_heads * head_dim, w)
-            for w in _layer_windows(cfg, layers, model_type)
-        )
-        q_out, kv_out = heads * head_dim, kv_heads * head_dim
-        shapes = [(q_out, hidden), (kv_out, hidden), (kv_out, hidden), (hidden, q_out)]
-        if cfg.get("attention_bias"):
-            vectors = q_out + 2 * kv_out + hidden
-        elif model_type.startswith("qwen2"):  # q/k/v biases, no o bias
-            vectors = q_out + 2 * kv_out
-        if model_type.startswith(("qwen3", "gemma3")):  # q_norm, k_norm
-            vectors += 2 * head_dim
-        if model_type == "gpt_oss":  # attention sinks: one per head
-            vectors += heads
-    matrices = tuple(Matrix(rows, cols, layers) for rows, cols in shapes)
-    return kv_layers, ModuleKind("attention", matrices, vectors * layers)
-
-
-def _gated_mlp(name: str, inter: int, hidden: int, count: int, bias: bool) -> ModuleKind:
-    """``count`` gated MLPs (gate, up: hidden -> inter; down: inter -> hidden)."""
-    matrices = (Matrix(inter, hidden, 2 * count), Matrix(hidden, inter, count))
-    return ModuleKind(name, matrices, (2 * inter + hidden) * count if bias else 0)
-
-
-def _feed_forward(cfg: Mapping[str, Any], layers: int, hidden: int, experts: int,
-                  model_type: str) -> list[ModuleKind]:
-    """Dense MLPs, routed experts, shared experts and routers of all layers."""
-    n_moe = sum(1 for i in range(layers) if experts and _is_moe_layer(cfg, i))
-    n_dense = layers - n_moe
-    mlp_bias = bool(cfg.get("mlp_bias"))
-    modules = []
-    if n_dense:
-        inter = _positive_int(cfg, "intermediate_size", "ffn_dim", "n_inner",
-                              needed_for="the MLP shapes")
-        modules.append(_gated_mlp("mlp", inter, hidden, n_dense, mlp_bias))
-    if n_moe:
-        inter = _positive_int(cfg, "moe_intermediate_size", "intermediate_size",
-                              needed_for="the expert shapes")
-        expert_bias = mlp_bias or model_type == "gpt_oss"
-        modules.append(_gated_mlp("experts", inter, hidden, experts * n_moe, expert_bias))
-        shared_size = int(cfg.get("n_shared_experts") or 0) * inter or int(
-            cfg.get("shared_expert_intermediate_size") or 0)
-        if shared_size:
-            modules.append(_gated_mlp("shared_experts", shared_size, hidden, n_moe, False))
-        router = [Matrix(experts, hidden, n_moe)]
-        if cfg.get("shared_expert_intermediate_size"):
-            router.append(Matrix(1, hidden, n_moe))  # Qwen2-MoE shared_expert_gate
-        router_bias = experts * n_moe if model_type in ("gpt_oss", "deepseek_v3") else 0
-        modules.append(ModuleKind("router", tuple(router), router_bias))
-    return modules
-
-
-def parse_architecture(config: Mapping[str, Any]) -> Architecture:
-    """Read the layer kinds and weight shapes from a Hugging Face ``config.json`` dict."""
-    cfg = text_config(config)
-    model_type = str(cfg.get("model_type") or "")
-    layers = _positive_int(cfg, "num_hidden_layers", "n_layer", "num_layers", needed_for="layers")
-    hidden = _positive_int(cfg, "hidden_size", "n_embd", "d_model", needed_for="weight shapes")
-    vocab = _positive_int(cfg, "vocab_size", needed_for="the embedding size")
-    heads = _positive_int(cfg, "num_attention_heads", "n_head", needed_for="attention shapes")
-    max_pos = _positive_int(cfg, "max_position_embeddings", "n_positions",
-                            "max_sequence_length", needed_for="the context check", default=None)
-    experts = int(next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if cfg.get(k)), 0))
-    kv_layers, attention = _attention(cfg, layers, hidden, heads, model_type)
-    feed_forward = _feed_forward(cfg, layers, hidden, experts, model_type)
-    # input and post-attention norms per layer (Gemma 2/3: also around the MLP), a final norm
-    norms_per_layer = 4 if model_type.startswith(("gemma2", "gemma3")) else 2
-    modules = [
-        ModuleKind("embeddings", (Matrix(vocab, hidden),)),
-        attention,
-        *feed_forward,
-        ModuleKind("norms", (), norms_per_layer * hidden * layers + hidden),
-    ]
-    if not cfg.get("tie_word_embeddings", False):
-        modules.append(ModuleKind("lm_head", (Matrix(vocab, hidden),)))
-    quant = cfg.get("quantization_config")
-    return Architecture(
-        model_type=model_type,
-        num_layers=layers,
-        hidden_size=hidden,
-        kv_layers=kv_layers,
-        modules=tuple(modules),
-        num_experts=experts if any(m.name == "experts" for m in feed_forward) else 0,
-        max_position_embeddings=max_pos,
-        checkpoint_quantization=quant.get("quant_method") if isinstance(quant, Mapping) else None,
-    )
-
-
-def _architecture(config: Mapping[str, Any] | Architecture) -> Architecture:
-    return config if isinstance(config, Architecture) else parse_architecture(config)
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -423,13 +164,6 @@ def estimate_weights(arch: Architecture, precision: str, scope: str = "auto",
     return WeightEstimate(precision, by_module, quantized, high)
 
 
-# --- KV cache ----------------------------------------------------------------------------------
-def kv_dtype_bytes(kv_dtype: str) -> int:
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise _unknown("KV dtype", kv_dtype, tuple(KV_DTYPE_BYTES))
-    return KV_DTYPE_BYTES[kv_dtype]
-
-
 def kv_bytes_per_token(arch: Architecture, kv_dtype: str) -> int:
     """KV growth per token at long context: only layers without a window keep growing."""
     return sum(layer.bytes_per_token(kv_dtype) for layer in arch.kv_layers if layer.window is None)
@@ -500,75 +234,6 @@ def concurrency_curve(arch: Architecture, budget_bytes: int, contexts: Sequence[
 
 
 # --- vLLM's own arithmetic (v1 kv_cache_utils), for the serving cross-check --------------------
-@dataclass(frozen=True)
-class VllmKVPrediction:
-    """What vLLM should log: "KV cache size: N tokens" and "Maximum concurrency ...: X"."""
-
-    num_blocks: int
-    kv_cache_tokens: int
-    max_concurrency: float
-    page_size_bytes: int  # one block of one layer
-    num_groups: int  # KV cache groups (1 unless layers of several kinds are mixed)
-    group_size: int  # layers per group
-
-
-def predict_vllm_kv_cache(
-    config: Mapping[str, Any] | Architecture,
-    kv_budget_bytes: int,
-    *,
-    block_size: int,
-    kv_dtype: str,
-    max_model_len: int,
-    max_num_batched_tokens: int = 2048,
-    hybrid_kv_cache_manager: bool = True,
-) -> VllmKVPrediction:
-    """Predict vLLM v1's KV cache size and maximum concurrency for a given KV memory.
-
-    Mirrors ``vllm/v1/core/kv_cache_utils.py``: layers are grouped by cache spec (one group when
-    all layers are alike; for hybrid full + sliding models, groups of ``group_size`` layers);
-    ``num_blocks = budget // page_size // group_size``; the logged size is
-    ``num_blocks // num_groups * block_size`` tokens; the concurrency is ``num_blocks`` over the
-    blocks one ``max_model_len`` request needs in every group (a sliding group needs
-    ``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1``).
-    ``hybrid_kv_cache_manager=False`` (vLLM's ``--disable-hybrid-kv-cache-manager``) treats
-    sliding layers as full attention.
-    """
-    arch = _architecture(config)
-    specs = [
-        layer if hybrid_kv_cache_manager or layer.window is None
-        else KVLayer("full", layer.elements_per_token)
-        for layer in arch.kv_layers
-    ]
-    pages = {layer.bytes_per_token(kv_dtype) * block_size for layer in specs}
-    if len(pages) != 1:
-        raise PlanError("layers with different KV page sizes are not modelled (vLLM unifies them).")
-    page = pages.pop()
-    counts = Counter(specs)
-    if len(counts) == 1:
-        group_size, groups = len(specs), list(counts)
-    else:
-        low, high = min(counts.values()), max(counts.values())
-        group_size = high if high < low * 1.5 else low
-        groups = [spec for spec, n in counts.items() for _ in range(_cdiv(n, group_size))]
-    num_blocks = max(kv_budget_bytes // page // group_size, 0)
-
-    def request_blocks(spec: KVLayer) -> int:
-        if spec.window is None:
-            return _cdiv(max_model_len, block_size)
-        tokens = min(spec.window - 1 + max_num_batched_tokens, max_model_len)
-        return _cdiv(tokens, block_size) + 1
-
-    per_request = sum(request_blocks(spec) for spec in groups)
-    return VllmKVPrediction(
-        num_blocks=num_blocks,
-        kv_cache_tokens=num_blocks // len(groups) * block_size,
-        max_concurrency=num_blocks / per_request,
-        page_size_bytes=page,
-        num_groups=len(groups),
-        group_size=group_size,
-    )
-
-
 # --- the whole plan ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlanSettings:

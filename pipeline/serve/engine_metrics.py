@@ -1,12 +1,11 @@
-"""What the vLLM server says about itself: its /metrics text and its start-up log."""
+"""What the vLLM server says about itself: its /metrics text (read with the Prometheus client's
+parser) and its start-up log."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LOG_KV = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
 _LOG_CONCURRENCY = re.compile(
     r"Maximum concurrency for\s*([\d,]+)\s*tokens per request:\s*([\d.,]+)x")
@@ -28,20 +27,11 @@ class Sample:
 
 
 def parse(text: str) -> list[Sample]:
-    """Prometheus text exposition -> samples (comments and malformed lines skipped)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line.strip())
-        if not match:
-            continue
-        try:
-            value = float(match["value"])
-        except ValueError:
-            continue
-        out.append(Sample(match["name"], dict(_LABEL.findall(match["labels"] or "")), value))
-    return out
+    """Prometheus text exposition -> samples, through the Prometheus client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [Sample(s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
 
 
 def total(samples: list[Sample], name: str) -> float:

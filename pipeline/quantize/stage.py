@@ -7,7 +7,6 @@ recipe text, calibration data and settings, library versions): unchanged inputs,
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -20,19 +19,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import paths, tracking
+from pipeline.core import hardware, paths, tracking
+from pipeline.core import log as qlog
+from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
-from pipeline.core.fsutil import (
-    atomic_dir,
-    check_free_space,
-    read_json,
-    remove_stale_temp_dirs,
-    write_json_atomic,
-)
+from pipeline.core.fsutil import atomic_dir, check_free_space, remove_stale_temp_dirs
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
+from pipeline.quantize.settings import QuantizeSettings
 
-MANIFEST = checkpoint.MANIFEST
+log = qlog.get("quantize")
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
 STAGE = "quantize"
 # How the model is held while llmcompressor calibrates; part of the cache key. On CPUs without
@@ -107,62 +103,59 @@ def check_group_sizes(model: Any, llm_recipe: Any, recipe_path: Path) -> None:
                 )
 
 
-def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False) -> dict:
+def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False
+             ) -> Manifest:
     """Produce (or reuse) the variant of ``base`` made by ``recipe``; returns its manifest."""
     target = paths.variant_dir(base.name, recipe.name)
     key = cache_key(base, recipe)
-    manifest = read_json(target / MANIFEST)
+    manifest = Manifest.load(base.name, recipe.name)
     if is_current(manifest, key) and not force:
-        print(f"[quantize] {base.name}/{recipe.name} is up to date ({target}); nothing to do "
-              "(FORCE=1 redoes it).")
+        assert manifest is not None
+        log.info(f"{base.name}/{recipe.name} is up to date ({target}); nothing to do (FORCE=1 "
+                 "redoes it).")
         _track(base, recipe, manifest, target)
         return manifest
     remove_stale_temp_dirs(target.parent)
     base_size = checkpoint.measure(base.path)
     check_free_space(target.parent, int(base_size.checkpoint_bytes * 1.2), "this variant")
 
-    print(f"[quantize] {base.name} with recipe {recipe.name} ({recipe.description})")
+    log.info(f"{base.name} with recipe {recipe.name} ({recipe.description})")
     started = time.monotonic()
     with atomic_dir(target) as tmp:
         scheme, work_dtype = _run_oneshot(base, recipe, tmp)
         seconds = time.monotonic() - started
         shutil.copyfile(recipe.path, tmp / "qpipe_recipe.yaml")
         size = checkpoint.measure(tmp, base.path)
-        manifest = {
-            "cache_key": key,
-            "baseline": base.as_dict(),
-            "recipe": {"name": recipe.name, "path": str(recipe.path), "sha256": recipe.sha256,
-                       "scheme": scheme, "description": recipe.description,
-                       "calibration": dataclasses.asdict(recipe.calibration)
-                       if recipe.calibration else None},
-            "libraries": library_versions(),
-            "hardware": {"machine": platform.machine(), "processor": platform.processor(),
-                         "device": _device()},
-            "calibration_dtype": work_dtype,
-            "quantize_seconds": round(seconds, 2),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "format": size.format,
-            "checkpoint_bytes": size.checkpoint_bytes,
-            "weight_bytes": size.weight_bytes,
-            "baseline_weight_bytes": base_size.weight_bytes,
-            "compression_ratio": base_size.weight_bytes / size.weight_bytes,
-            "quantized_layers": size.quantized_layers,
-            "quantized_layer_bytes": size.quantized_layer_bytes,
-            "quantized_layer_bf16_bytes": size.quantized_layer_bf16_bytes,
-            "quantized_layer_bytes_ratio": size.quantized_layer_ratio,
-        }
-        write_json_atomic(tmp / MANIFEST, manifest)
-    ratio = manifest["quantized_layer_bytes_ratio"]
-    print(f"[quantize] wrote {target}: {size.format}, {size.weight_bytes / 1e6:.1f} MB of weights "
-          f"({manifest['compression_ratio']:.2f}x smaller than the baseline; quantized layers at "
-          f"{ratio:.3f} of their bf16 bytes) in {seconds:.0f} s")
+        manifest = Manifest(
+            cache_key=key, baseline=base.as_dict(),
+            recipe=RecipeInfo(name=recipe.name, path=str(recipe.path), sha256=recipe.sha256,
+                              scheme=scheme, description=recipe.description,
+                              calibration=dataclasses.asdict(recipe.calibration)
+                              if recipe.calibration else None),
+            libraries=library_versions(),
+            hardware={"machine": platform.machine(), "processor": platform.processor(),
+                      "device": hardware.torch_device_name()},
+            calibration_dtype=work_dtype, quantize_seconds=round(seconds, 2),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            format=size.format, checkpoint_bytes=size.checkpoint_bytes,
+            weight_bytes=size.weight_bytes, baseline_weight_bytes=base_size.weight_bytes,
+            compression_ratio=base_size.weight_bytes / size.weight_bytes,
+            quantized_layers=size.quantized_layers,
+            quantized_layer_bytes=size.quantized_layer_bytes,
+            quantized_layer_bf16_bytes=size.quantized_layer_bf16_bytes,
+            quantized_layer_bytes_ratio=size.quantized_layer_ratio)
+        manifest.write(tmp / Manifest.FILE)
+    log.info(f"wrote {target}: {size.format}, {size.weight_bytes / 1e6:.1f} MB of weights "
+             f"({manifest.compression_ratio:.2f}x smaller than the baseline; quantized layers "
+             f"at {manifest.quantized_layer_bytes_ratio or 0:.3f} of their bf16 bytes) in "
+             f"{seconds:.0f} s")
     _track(base, recipe, manifest, target)
     return manifest
 
 
-def is_current(manifest: dict, key: str) -> bool:
-    """Whether a variant's manifest was made from exactly these inputs (``cache_key``)."""
-    return manifest.get("cache_key") == key
+def is_current(manifest: Manifest | None, key: str) -> bool:
+    """Whether a variant was made from exactly these inputs (its ``cache_key``)."""
+    return manifest is not None and manifest.cache_key == key
 
 
 def _work_dtype(base: baselines.Baseline) -> Any:
@@ -170,7 +163,7 @@ def _work_dtype(base: baselines.Baseline) -> Any:
     import psutil
     import torch
 
-    if torch.cuda.is_available():
+    if hardware.torch_device() == "cuda":
         return torch.bfloat16
     fp32_bytes = 2 * checkpoint.measure(base.path).weight_bytes
     return torch.float32 if fp32_bytes < psutil.virtual_memory().available / 2 else torch.bfloat16
@@ -194,13 +187,13 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
     data_args: dict[str, Any] = {}
     if calib is not None:
         data = calibration.load(calib, tokenizer)
-        print(f"[quantize] calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
-              f"from {calib.dataset}")
+        log.info(f"calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
+                 f"from {calib.dataset}")
         data_args = {"dataset": data, "num_calibration_samples": len(data),
                      "max_seq_length": calib.max_seq_length,
                      "shuffle_calibration_samples": False}
     threads = torch.get_num_threads()
-    if not torch.cuda.is_available():
+    if hardware.torch_device() == "cpu":
         torch.set_num_threads(1)
     try:
         oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), **data_args)
@@ -221,49 +214,39 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
     return scheme_label(llm_recipe), str(work_dtype).removeprefix("torch.")
 
 
-def _device() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: dict,
+def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: Manifest,
            target: Path) -> None:
-    if tracking.find_run(base.name, STAGE, manifest["cache_key"]):
+    if tracking.find_run(base.name, STAGE, manifest.cache_key):
         return
     run_id = tracking.log_run(
         base.name, STAGE, f"quantize:{recipe.name}",
         params={tracking.PARAM_BASELINE: base.name, tracking.PARAM_RECIPE: recipe.name,
-                tracking.PARAM_SCHEME: manifest["recipe"]["scheme"],
-                "format": manifest["format"], "baseline_identity": base.identity},
-        metrics={tracking.CHECKPOINT_BYTES: manifest["checkpoint_bytes"],
-                 tracking.WEIGHT_BYTES: manifest["weight_bytes"],
-                 tracking.COMPRESSION_RATIO: manifest["compression_ratio"],
-                 tracking.QUANTIZED_LAYER_RATIO: manifest["quantized_layer_bytes_ratio"],
-                 tracking.QUANTIZE_SECONDS: manifest["quantize_seconds"],
-                 tracking.PEAK_RSS_BYTES: manifest["peak_rss_bytes"]},
-        tags={tracking.TAG_CACHE_KEY: manifest["cache_key"], "qpipe.variant_dir": str(target)},
-        artifacts=[target / "qpipe_recipe.yaml", target / MANIFEST],
+                tracking.PARAM_SCHEME: manifest.recipe.scheme, "format": manifest.format,
+                "baseline_identity": base.identity},
+        metrics={tracking.CHECKPOINT_BYTES: manifest.checkpoint_bytes,
+                 tracking.WEIGHT_BYTES: manifest.weight_bytes,
+                 tracking.COMPRESSION_RATIO: manifest.compression_ratio,
+                 tracking.QUANTIZED_LAYER_RATIO: manifest.quantized_layer_bytes_ratio,
+                 tracking.QUANTIZE_SECONDS: manifest.quantize_seconds,
+                 tracking.PEAK_RSS_BYTES: manifest.peak_rss_bytes},
+        tags={tracking.TAG_CACHE_KEY: manifest.cache_key, "qpipe.variant_dir": str(target)},
+        artifacts=[target / "qpipe_recipe.yaml", target / Manifest.FILE],
     )
-    print(f"[quantize] recorded in MLflow ({paths.default_tracking_uri()}), run {run_id}")
+    log.info(f"recorded in MLflow ({paths.default_tracking_uri()}), run {run_id}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    baselines.add_baseline_argument(parser)
-    parser.add_argument("--recipe", required=True,
-                        help="recipe name in recipes/ (fp8, int4, int8, mxfp4) or a recipe file")
-    parser.add_argument("--force", action="store_true", help="redo even if up to date")
-    parser.add_argument("--calib-samples", type=int, help="override calibration.num_samples")
-    parser.add_argument("--calib-seq-len", type=int, help="override calibration.max_seq_length")
-    parser.add_argument("--calib-data", help="override calibration.dataset (file or hub id)")
-
-
-def run(args: argparse.Namespace) -> int:
-    tracking.check_store()  # seconds, before the work: not minutes after it
-    data = args.calib_data
+def recipe_for(settings: QuantizeSettings) -> recipes.RecipeFile:
+    """The recipe with the calibration overrides of ``settings``."""
+    calib = settings.calibration
+    data = calib.calib_data
     if data and Path(data).exists():
         data = str(Path(data).resolve())
-    recipe = recipes.load(args.recipe).with_calibration(
-        num_samples=args.calib_samples, max_seq_length=args.calib_seq_len, dataset=data)
-    quantize(baselines.resolve(args.baseline), recipe, force=args.force)
-    return 0
+    return recipes.load(settings.recipe).with_calibration(
+        num_samples=calib.calib_samples, max_seq_length=calib.calib_seq_len, dataset=data)
+
+
+def run(settings: QuantizeSettings) -> Manifest:
+    """``qpipe quantize`` / ``make quantize``: one recipe, in this process."""
+    recipe = recipe_for(settings)  # a bad recipe is known in milliseconds: before the rest
+    tracking.check_store()  # seconds, before the work: not minutes after it
+    return quantize(baselines.resolve(settings.baseline), recipe, settings.force)

@@ -1,0 +1,97 @@
+"""vLLM's own benchmark client (``vllm bench serve``), kept loaded in one process.
+
+Each :meth:`BenchClient.run` is exactly ``vllm bench serve ARGS`` (vLLM's own parser and
+``main``, in ``serve/workers/vllm_bench_worker.py``); only the import of vLLM is shared between
+runs. A client that hangs or dies is replaced before the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.workloads import Workload
+from pipeline.core import procs
+from pipeline.core.fsutil import read_json
+from pipeline.core.provenance import serve_python
+from pipeline.core.variant import Variant
+from pipeline.serve import ServeError, VllmServer
+from pipeline.serve.server import WORKERS_DIR
+
+CLIENT_TIMEOUT_S = 1800
+
+
+class BenchClient:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.proc: subprocess.Popen[str] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = procs.start([str(serve_python()), str(WORKERS_DIR / "vllm_bench_worker.py")],
+                                log=self.log, env=self.env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, die_with_parent=True)
+        self._answer(timeout=300)  # {"ready": true} once vLLM is imported
+
+    def __enter__(self) -> BenchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        procs.stop(self.proc, timeout=5)
+
+    def _answer(self, timeout: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            self.close()
+            raise ServeError("vLLM's benchmark client " + (
+                f"exited (code {code})" if code is not None else f"gave no answer in {timeout} s")
+                + f"; see {self.log}.")
+        return json.loads(line)
+
+    def run(self, argv: list[str], log: Path, timeout: float = CLIENT_TIMEOUT_S) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer(timeout)
+        if not answer.get("ok"):
+            raise ServeError(f"vllm bench serve failed: {answer.get('error')}. Log: {log}")
+
+
+def client_argv(server: VllmServer, variant: Variant, workload: Workload, concurrency: int,
+                out_dir: Path, tag: str, repeat: int = 0) -> list[str]:
+    """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand)."""
+    return ["--backend", "vllm", "--base-url", server.base_url, "--endpoint", "/v1/completions",
+            "--model", server.served_name, "--tokenizer", str(variant.path),
+            *workload.client_args(concurrency, repeat), "--save-result", "--result-dir",
+            str(out_dir), "--result-filename", f"{tag}.json", "--disable-tqdm"]
+
+
+def run_client(client: BenchClient, server: VllmServer, variant: Variant, workload: Workload,
+               concurrency: int, out_dir: Path, tag: str, repeat: int = 0) -> dict[str, Any]:
+    """One load point against ``server``; returns vLLM's saved result JSON."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"{tag}.log"
+    try:
+        client.run(client_argv(server, variant, workload, concurrency, out_dir, tag, repeat), log)
+    except ServeError:
+        server.check_alive()  # a dead server is the better explanation
+        raise
+    server.check_alive()
+    result = read_json(out_dir / f"{tag}.json")
+    if result.get("failed"):
+        raise ServeError(f"{result['failed']} of {result['num_prompts']} requests to "
+                         f"{variant.name} failed. Client log: {log}; server log: "
+                         f"{server.log_path}",
+                         reason=f"{result['failed']} of {result['num_prompts']} requests failed")
+    return result

@@ -1,0 +1,279 @@
+"""The measurement loop: servers up, every step run against every model, failures recorded.
+
+A step is one run of vLLM's client: a workload at one load point and repeat. The models of a
+group are measured back to back in each step (on a CPU host every server is up at once, so they
+alternate run by run: interleaved). A model that fails (its engine dies, requests fail, the
+client times out) is recorded as failed and stopped; the others go on. A format the engine
+cannot serve here is recorded as unsupported and remembered at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.client import BenchClient, run_client
+from pipeline.bench.workloads import Workload
+from pipeline.core import log as qlog
+from pipeline.core import tracking
+from pipeline.core.provenance import vllm_version
+from pipeline.core.variant import Variant
+from pipeline.plan import capacity
+from pipeline.serve import (
+    EngineSettings,
+    ServeError,
+    ServerPool,
+    UnsupportedFormat,
+    VllmServer,
+    engine_metrics,
+    known_refusal,
+    remember_refusal,
+)
+from pipeline.serve.server import describe_command
+
+log = qlog.get("bench")
+HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
+
+
+@dataclass
+class ModelRecord:
+    """Everything measured for one model in one invocation."""
+
+    variant: Variant
+    status: str = "ok"  # ok | unsupported (a hardware limit) | failed (anything else)
+    reason: str = ""
+    log: str = ""  # the server log that says why, for a model that is not ok
+    kv: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # what the engine chose and used
+    peak_memory_bytes: int = 0
+    # workload -> load point -> list of client results (one per repeat)
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
+    # workload -> [queried tokens, hit tokens] of the prefix cache over its measured runs
+    prefix_counters: dict[str, list[float]] = field(default_factory=dict)
+    serve_command: str = ""  # to reproduce by hand (README)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured run: a workload (under ``key``) at one load point and repeat."""
+
+    workload: Workload
+    key: str  # the workload's name; "<name>_nocache" for the caching-off half of a comparison
+    repeat: int
+    concurrency: int
+    caching: bool
+
+    def runs_on(self, model: str) -> bool:
+        if self.workload.compare_prefix_caching and not self.caching:
+            return self.workload.runs_off(model)
+        return self.workload.runs_on(model)
+
+
+def steps_for(loads: list[Workload], caching: bool) -> list[Step]:
+    """Caching off: the speed sweeps (cold, distinct requests) and the caching-off half of
+    each prefix comparison; caching on: only the other half of those comparisons."""
+    out = []
+    for w in loads:
+        if caching and not w.compare_prefix_caching:
+            continue
+        key = f"{w.name}_nocache" if w.compare_prefix_caching and not caching else w.name
+        out += [Step(w, key, r, c, caching) for r in range(w.repeats) for c in w.load_points]
+    return out
+
+
+def recall_unsupported(records: dict[str, ModelRecord]) -> None:
+    """Skip the minute-long failed start of a checkpoint this vLLM already refused here."""
+    for record in records.values():
+        reason = known_refusal(record.variant.identity)
+        if reason:
+            record.status, record.reason = "unsupported", reason
+            log.info(f"{record.variant.name}: vLLM {vllm_version()} refused it here before "
+                     f"({reason}); not retried (FORCE=1 retries)")
+
+
+def failed(record: ModelRecord, err: ServeError, log_path: Path) -> None:
+    """Record one model's failure; the other models go on being measured."""
+    if isinstance(err, UnsupportedFormat):
+        record.status, record.reason = "unsupported", err.reason
+        remember_refusal(record.variant.identity, err.reason)  # now, not at the end of the run
+        log.info(f"{record.variant.name}: unsupported here: {err}")
+    else:
+        record.status, record.reason = "failed", err.reason
+        log.warning(f"{record.variant.name}: FAILED, the other models go on: {err}")
+    record.log = str(log_path)
+
+
+@contextlib.contextmanager
+def servers(models: list[Variant], records: dict[str, ModelRecord], settings: EngineSettings,
+            logs: Path, label: str, pool: ServerPool | None = None
+            ) -> Iterator[dict[str, VllmServer]]:
+    """A server per model; an unsupported format is recorded, not fatal. With a ``pool``, a
+    server it holds is reused and a new one is left running in it for the next stage."""
+    with contextlib.ExitStack() as stack:
+        live, starting = {}, []
+        for model in models:  # launched together: on CPUs their loading overlaps
+            record = records[model.name]
+            if record.status != "ok":
+                continue
+            server = pool.get(model.path, model.served_name, settings) if pool else None
+            if server is None:
+                log.info(f"starting vLLM for {model.name} ({label}) ...")
+                server = VllmServer(model.path, model.served_name, settings,
+                                    logs / f"server-{model.name}-{label}.log")
+                server.launch()
+                stack.callback(_stop_unless_kept, server, pool)
+            else:
+                log.info(f"{model.name}: reusing the running vLLM server ({server.base_url})")
+            if not record.serve_command:  # the speed sweep's server (caching off)
+                record.serve_command = describe_command(server)
+            starting.append((model, server))
+        started = time.monotonic()
+        for model, server in starting:
+            try:
+                server.wait_ready()
+            except ServeError as err:
+                failed(records[model.name], err, server.log_path)
+                continue
+            live[model.name] = server
+            if pool is not None:
+                pool.keep(server)
+            log.info(f"{model.name} is up after {time.monotonic() - started:.0f} s "
+                     f"({server.base_url})")
+        try:
+            yield live
+        finally:
+            for name, server in live.items():
+                records[name].peak_memory_bytes = max(records[name].peak_memory_bytes,
+                                                      server.peak_memory_bytes)
+
+
+def _stop_unless_kept(server: VllmServer, pool: ServerPool | None) -> None:
+    if pool is None or not pool.holds(server):
+        server.stop()
+
+
+def kv_dtype(settings: EngineSettings) -> str:
+    """The KV-cache dtype the engine was asked for (``--kv-cache-dtype`` through VLLM_ARGS)."""
+    args = list(settings.extra_args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--kv-cache-dtype=") else (
+            args[i + 1] if arg == "--kv-cache-dtype" and i + 1 < len(args) else None)
+        if value is not None:
+            return "fp8" if value.startswith("fp8") else "bf16"
+    return "bf16"
+
+
+def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSettings) -> None:
+    """What the engine chose (kernels, scheme, weight memory) and its KV cache, beside the
+    planner's prediction for the budget the engine really used: its own figure (CPU), its log's
+    "Available KV cache memory" (GPU; ``kv_cache_memory_bytes`` is not exported there unless
+    set), else the CPU setting. With no known budget there is no prediction to compare."""
+    engine_log = engine_metrics.read_log(server.log_text())
+    record.engine = {"scheme": engine_log.scheme, "kernels": list(engine_log.kernels),
+                     "fp8_weight_only": engine_log.fp8_weight_only,
+                     "enforce_eager": server.settings.enforce_eager}
+    if engine_log.weight_memory_bytes:
+        record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = engine_log.weight_memory_bytes
+    info = engine_metrics.kv_cache_info(engine_metrics.parse(server.metrics_text()),
+                                        server.log_text())
+    if info is None:
+        return
+    record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
+                 tracking.MAX_CONCURRENCY: info.max_concurrency,
+                 "kv_block_size": info.block_size, "kv_num_blocks": info.num_blocks}
+    if info.kv_cache_memory_bytes:
+        budget, source = info.kv_cache_memory_bytes, "engine metrics"
+    elif engine_log.kv_cache_memory_bytes:
+        budget, source = engine_log.kv_cache_memory_bytes, "engine log (0.01 GiB)"
+    elif server.target == "cpu":
+        budget, source = int(settings.kv_cache_space_gib * 2**30), "VLLM_CPU_KVCACHE_SPACE"
+    else:
+        record.engine["kv_budget_source"] = "unknown: no planned figure to compare"
+        return
+    record.engine["kv_budget_source"] = source
+    record.kv[tracking.KV_CACHE_MEMORY_BYTES] = budget
+    config = json.loads((record.variant.path / "config.json").read_text())
+    planned = capacity.predict_vllm_kv_cache(
+        config, budget, block_size=info.block_size or (128 if server.target == "cpu" else 16),
+        kv_dtype=kv_dtype(settings), max_model_len=settings.max_model_len)
+    record.kv.update({
+        capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
+        capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
+        tracking.KV_CACHE_TOKENS_VS_PLANNED: info.kv_cache_tokens / planned.kv_cache_tokens,
+        tracking.MAX_CONCURRENCY_VS_PLANNED: info.max_concurrency / planned.max_concurrency,
+    })
+
+
+def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, ModelRecord],
+            settings: EngineSettings, out: Path, logs: Path, caching: bool,
+            pool: ServerPool | None = None) -> None:
+    """Every step, the models of a group back to back (interleaved)."""
+    label = "cache-on" if caching else "cache-off"
+    run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
+    for group in groups:
+        with servers(group, records, run_settings, logs, label, pool) as live:
+            if not live or not steps:
+                continue
+            for name, server in list(live.items()):
+                if not records[name].kv:
+                    try:
+                        record_engine(records[name], server, run_settings)
+                    except ServeError as err:
+                        _drop(live, name, records, err, pool)
+            env = next(iter(live.values())).environment() if live else {}
+            with BenchClient(env, logs / "bench-client.log") as client:
+                for i, step in enumerate(steps, start=1):
+                    for name, server in list(live.items()):
+                        if not step.runs_on(name):
+                            continue
+                        log.info(f"{i}/{len(steps)} {name}: {step.key} concurrency "
+                                 f"{step.concurrency} repeat {step.repeat + 1}/"
+                                 f"{step.workload.repeats}")
+                        try:
+                            _load_point(client, server, records[name], step, out / "runs")
+                        except ServeError as err:
+                            _drop(live, name, records, err, pool)
+
+
+def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord],
+          err: ServeError, pool: ServerPool | None) -> None:
+    server = live.pop(name)
+    failed(records[name], err, server.log_path)
+    records[name].peak_memory_bytes = max(records[name].peak_memory_bytes,
+                                          server.peak_memory_bytes)
+    if pool is not None:
+        pool.discard(server)
+    else:
+        server.stop()
+
+
+def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, step: Step,
+                out: Path) -> None:
+    """One run; its prefix-cache counters are checked: a speed sweep must have no hit, and a
+    prefix comparison no hit beyond its shared prefix (else the figure is not what it says)."""
+    before = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    name = record.variant.name
+    result = run_client(client, server, record.variant, step.workload, step.concurrency, out,
+                        f"{name}-{step.key}-c{step.concurrency}-r{step.repeat}", step.repeat)
+    after = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    rate = hits / queries if queries else 0.0
+    expected = step.workload.expected_prefix_hit_rate(
+        int(record.kv.get("kv_block_size") or 0), step.concurrency) if step.caching else 0.0
+    if hits > 0 and rate > expected + HIT_TOLERANCE:
+        what = ("a cold speed sweep must have none" if not step.caching else
+                f"the shared prefix allows at most {expected:.1%}")
+        raise ServeError(f"{name}: {step.key} at concurrency {step.concurrency} hit the prefix "
+                         f"cache for {rate:.1%} of its prompt tokens; {what}. Its figures would "
+                         "mix warm and cold requests, so none are kept.",
+                         reason=f"prefix-cache hits {rate:.1%} in {step.key} (allowed "
+                                f"{expected:.1%})")
+    record.runs.setdefault(step.key, {}).setdefault(step.concurrency, []).append(result)
+    counters = record.prefix_counters.setdefault(step.key, [0.0, 0.0])
+    counters[0] += queries
+    counters[1] += hits

@@ -1,0 +1,24 @@
+"""``qpipe bench`` settings (``make bench``): the one source of their defaults."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from pipeline.core.settings import StageSettings, baseline_field, force_field, recipes_field
+from pipeline.serve.settings import EngineSettings
+
+DEFAULT_WORKLOADS = ("chat", "prefix")
+
+
+class BenchSettings(StageSettings):
+    baseline: str = baseline_field()
+    recipes: tuple[str, ...] = recipes_field("bench")
+    workloads: tuple[str, ...] = Field(
+        DEFAULT_WORKLOADS, description="workload name in configs/workloads or a YAML file "
+        f"(default: {', '.join(DEFAULT_WORKLOADS)})",
+        json_schema_extra={"flag": "--workload", "make": "WORKLOAD"})
+    repeats: int | None = Field(None, description="override every workload's repeats",
+                                json_schema_extra={"make": "REPEATS"})
+    force: bool = force_field("measure again")
+    engine: EngineSettings = Field(default_factory=EngineSettings,
+                                   json_schema_extra={"nested": True})

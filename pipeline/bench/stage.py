@@ -1,0 +1,125 @@
+"""Serve the baseline and its variants through vLLM and load-test them with vLLM's own client.
+
+For each workload, repeat and load point the models are measured back to back (interleaved on
+a CPU host, where every server is up at once), so that the machine's drift cancels out of the
+speedup; on a GPU each model has the device to itself in turn (sequential). Results of an
+unchanged invocation are reused (``--force`` re-measures); a run with a failed model is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from datetime import datetime, timezone
+
+from pipeline.bench import workloads as workloads_mod
+from pipeline.bench.measure import ModelRecord, measure, recall_unsupported, steps_for
+from pipeline.bench.settings import BenchSettings
+from pipeline.bench.summary import STAGE, log_runs, pairing, summarize
+from pipeline.bench.table import format_table
+from pipeline.bench.workloads import Workload
+from pipeline.core import hardware, paths, tracking
+from pipeline.core import log as qlog
+from pipeline.core.artifacts import BenchSummary
+from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import atomic_dir
+from pipeline.core.provenance import vllm_version
+from pipeline.core.variant import Variant, with_baseline
+from pipeline.quantize import baseline as baselines
+from pipeline.serve import EngineSettings, ServerPool
+
+log = qlog.get("bench")
+
+
+def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSettings,
+              target: str) -> str:
+    payload = {"models": [(m.recipe, m.identity) for m in models],
+               "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
+               "engine": settings.model_dump(), "target": target, "vllm": vllm_version(),
+               "hardware": hardware.profile().key()}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
+                          ).hexdigest()[:16]
+
+
+def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workload],
+          settings: EngineSettings, force: bool = False, target: str | None = None,
+          pool: ServerPool | None = None) -> BenchSummary:
+    """Measure the baseline and the variants; the summary is also on disk and in MLflow.
+
+    With a ``pool``, the servers of the speed sweeps (prefix caching off) stay up in it for
+    the next stage.
+    """
+    target = target or hardware.serve_target()
+    settings = settings.resolved(target)  # eager on CPUs, compiled on GPUs: recorded as such
+    longest = max(w.max_tokens_per_request for w in loads)
+    if longest > settings.max_model_len:
+        raise ConfigError(f"the workloads send up to {longest} tokens per request, more than "
+                          f"the engine's max_model_len {settings.max_model_len}: raise "
+                          "--max-model-len (MAX_MODEL_LEN=) or shorten the workload.")
+    models = with_baseline(base, recipes)
+    key = cache_key(models, loads, settings, target)
+    path = BenchSummary.path(base.name, key)
+    cached = BenchSummary.read(path)
+    failed = [n for n, e in cached.models.items() if e.status == "failed"] if cached else []
+    if failed and not force:
+        log.info(f"the last measurement with these inputs had failures ({', '.join(failed)}); "
+                 "measuring again")
+    reused = cached is not None and not force and not failed
+    if reused:
+        assert cached is not None
+        log.info(f"unchanged since the last measurement ({path.parent}); reusing it (FORCE=1 "
+                 "re-measures).")
+        summary = cached
+    else:
+        summary = _measure_all(base, models, loads, settings, key, target, force, pool)
+    print(format_table(summary, loads))
+    if not reused or not tracking.find_run(base.name, STAGE, key):
+        log_runs(summary, loads, settings, path.parent)
+        log.info(f"recorded in MLflow ({paths.default_tracking_uri()})")
+    return summary
+
+
+def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Workload],
+                 settings: EngineSettings, key: str, target: str, force: bool,
+                 pool: ServerPool | None) -> BenchSummary:
+    records = {m.name: ModelRecord(m) for m in models}
+    if not force:
+        recall_unsupported(records)
+
+    def groups(ms: list[Variant]) -> list[list[Variant]]:
+        return ([ms] if ms else []) if target == "cpu" else [[m] for m in ms]
+
+    out = BenchSummary.path(base.name, key).parent
+    # Server logs live outside the temp dir: a failed run's logs stay where errors point.
+    logs = out.parent / "logs" / key
+    cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
+    with atomic_dir(out) as tmp:
+        measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)]), cold,
+                records, settings, tmp, logs, caching=False, pool=pool)
+        measure(groups([m for m in models if any(s.runs_on(m.name) for s in warm)]), warm,
+                records, settings, tmp, logs, caching=True)
+        summary = BenchSummary(
+            baseline=base.name, target=target, key=key,
+            measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            engine=settings.model_dump(), hardware=hardware.profile().as_dict(),
+            speedup_pairing=pairing(target), workloads=[str(w.path) for w in loads],
+            headline={w.name: w.headline for w in loads}, models=summarize(records, loads))
+        summary.write(tmp / BenchSummary.FILE)
+    return summary.as_read()
+
+
+def run(settings: BenchSettings, pool: ServerPool | None = None) -> BenchSummary:
+    """``qpipe bench`` / ``make bench``; a campaign passes its pool."""
+    tracking.check_store()  # seconds, before the work: not minutes after it
+    loads = [workloads_mod.load(w) for w in settings.workloads]
+    if settings.repeats:
+        loads = [dataclasses.replace(w, repeats=settings.repeats) for w in loads]
+    return bench(baselines.resolve(settings.baseline), list(settings.recipes) or None, loads,
+                 settings.engine, settings.force, pool=pool)
+
+
+def failures(summary: BenchSummary) -> dict[str, str]:
+    """model -> why, for the models that failed (not a hardware limit)."""
+    return {n: f"{e.reason} (log {e.log or '-'})" for n, e in summary.models.items()
+            if e.status == "failed"}

@@ -1,0 +1,337 @@
+"""Every file one stage leaves for another, typed: where it lives, how it is read and written.
+
+recipe -> :class:`Manifest` (quantize) -> :class:`BenchSummary` (bench) and
+:class:`RecoverySummary` / :class:`EvalFailure` (eval) -> ``Comparison`` (report). A reader
+never parses another stage's dict by key: it loads the model, which checks the file.
+Writes go to a temp file and are renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.core import paths
+from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import write_json_atomic
+
+A = TypeVar("A", bound="Artifact")
+
+
+class Artifact(BaseModel):
+    """A JSON artifact at ``artifacts/<DIR>/<baseline>/<name>/<FILE>``; ``load`` returns None
+    when the file is missing."""
+
+    model_config = ConfigDict(extra="ignore")
+    FILE: ClassVar[str] = ""
+    DIR: ClassVar[str] = ""
+
+    @classmethod
+    def root(cls, baseline: str) -> Path:
+        return paths.artifacts_dir() / cls.DIR / baseline
+
+    @classmethod
+    def path(cls, baseline: str, name: str) -> Path:
+        """The file of ``name`` (a recipe, a variant, a bench run's key)."""
+        return cls.root(baseline) / name / cls.FILE
+
+    @classmethod
+    def load(cls: type[A], baseline: str, name: str) -> A | None:
+        return cls.read(cls.path(baseline, name))
+
+    @classmethod
+    def read(cls: type[A], path: Path) -> A | None:
+        try:
+            text = path.read_text()
+        except OSError:
+            return None
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"{path}: not a {cls.__name__} qpipe can read (field {field!r}: "
+                              f"{first['msg']}); it was written by another version of qpipe. "
+                              "Fix: run the stage that writes it again (FORCE=1).") from None
+
+    def write(self, path: Path) -> Path:
+        write_json_atomic(path, json.loads(self.model_dump_json()))
+        return path
+
+    def as_read(self: A) -> A:
+        """This artifact as a reader of its file gets it (tuples in free-form fields become
+        lists): what a stage returns equals what a later run reads back."""
+        return type(self).model_validate_json(self.model_dump_json())
+
+
+# --- quantize -----------------------------------------------------------------------------------
+class RecipeInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    path: str = ""
+    sha256: str = ""
+    scheme: str = "?"
+    description: str = ""
+    calibration: dict[str, Any] | None = None
+
+
+class Manifest(Artifact):
+    """``artifacts/variants/<baseline>/<recipe>/qpipe_manifest.json``: one quantized variant."""
+
+    FILE: ClassVar[str] = "qpipe_manifest.json"
+    DIR: ClassVar[str] = "variants"  # beside the checkpoint: paths.variant_dir
+    cache_key: str  # hash of every input: the variant's identity
+    baseline: dict[str, str]
+    recipe: RecipeInfo
+    libraries: dict[str, str] = Field(default_factory=dict)
+    hardware: dict[str, str] = Field(default_factory=dict)
+    calibration_dtype: str = ""
+    quantize_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    format: str
+    checkpoint_bytes: int
+    weight_bytes: int
+    baseline_weight_bytes: int = 0
+    compression_ratio: float = 0.0
+    quantized_layers: int = 0
+    quantized_layer_bytes: int = 0
+    quantized_layer_bf16_bytes: int = 0
+    quantized_layer_bytes_ratio: float | None = None
+
+
+
+def manifests(baseline: str, recipes: list[str] | None = None) -> dict[str, Manifest]:
+    """Recipe -> manifest of the named variants (default: every one on disk)."""
+    root = paths.variants_dir() / baseline
+    if recipes is None:
+        recipes = sorted(p.name for p in root.glob("*") if (p / Manifest.FILE).is_file())
+    found = {}
+    for name in recipes:
+        manifest = Manifest.load(baseline, name)
+        if manifest is None:
+            raise ConfigError(
+                f"no variant {name!r} of {baseline} in {paths.variant_dir(baseline, name)} (no "
+                f"readable {Manifest.FILE}). Fix: run `make quantize RECIPE={name}` first, or "
+                "leave RECIPE= empty for every variant on disk.")
+        found[name] = manifest
+    return found
+
+
+# --- bench --------------------------------------------------------------------------------------
+class WorkloadFigures(BaseModel):
+    """One model's figures for one workload: per load point, and the cache counters."""
+
+    model_config = ConfigDict(extra="ignore")
+    points: dict[int, dict[str, float]] = Field(default_factory=dict)
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_hit_tokens: float = 0.0
+    prefix_cache_query_tokens: float = 0.0
+    prefix_cache_expected_hit_rate: float | None = None
+    prefix_cache_ttft_speedup: float | None = None
+
+    def counters(self) -> dict[str, float]:
+        """The cache figures, under their metric names."""
+        return {k: v for k, v in self.model_dump(exclude={"points"}).items() if v is not None}
+
+
+class ModelBench(BaseModel):
+    """Everything bench measured for one model."""
+
+    model_config = ConfigDict(extra="ignore")
+    recipe: str
+    status: str  # ok | unsupported (a hardware limit) | failed (anything else)
+    identity: str
+    format: str
+    serve_command: str = ""
+    reason: str = ""
+    log: str = ""
+    kv: dict[str, float] = Field(default_factory=dict)
+    engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
+    peak_memory_bytes: int = 0
+    workloads: dict[str, WorkloadFigures] = Field(default_factory=dict)
+
+
+class BenchSummary(Artifact):
+    """``artifacts/bench/<baseline>/<key>/summary.json``: one bench run, every model."""
+
+    FILE: ClassVar[str] = "summary.json"
+    DIR: ClassVar[str] = "bench"
+    baseline: str
+    target: str
+    key: str = ""
+    measured: str = ""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    speedup_pairing: str = ""
+    workloads: list[str] = Field(default_factory=list)
+    headline: dict[str, int] = Field(default_factory=dict)
+    models: dict[str, ModelBench] = Field(default_factory=dict)
+
+    @classmethod
+    def all(cls, baseline: str) -> list[tuple[Path, BenchSummary]]:
+        """Every finished bench run of this baseline, newest first."""
+        found = [p for p in cls.root(baseline).glob(f"*/{cls.FILE}")
+                 if not p.parent.name.startswith(".")]
+        found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        out = []
+        for path in found:
+            summary = cls.read(path)
+            if summary is not None:
+                out.append((path, summary))
+        return out
+
+
+# --- eval ---------------------------------------------------------------------------------------
+SERVED = "served"  # lm-eval local-completions against vLLM: the serving numerics
+EMULATED = "emulated"  # lm-eval hf on de-compressed weights
+
+
+class TaskEntry(BaseModel):
+    """One task scored on one variant, with what it was scored on."""
+
+    model_config = ConfigDict(extra="ignore")
+    suite: str
+    backend: str
+    primary_metric: str
+    recovery: dict[str, dict[str, Any]]  # metric key -> Recovery.as_dict()
+    identity: str = ""  # the variant's checkpoint
+    baseline_identity: str = ""
+    task_sha: str = ""  # the task file and its data
+    settings: dict[str, Any] = Field(default_factory=dict)
+    command: str = ""
+    updated: str = ""
+
+    def primary(self) -> dict[str, Any] | None:
+        return self.recovery.get(self.primary_metric)
+
+
+class RecoverySummary(Artifact):
+    """``artifacts/evals/<baseline>/<recipe>/recovery.json``: a variant's scored tasks."""
+
+    FILE: ClassVar[str] = "recovery.json"
+    DIR: ClassVar[str] = "evals"
+    baseline: str
+    recipe: str | None = None
+    identity: str = ""
+    tasks: dict[str, TaskEntry] = Field(default_factory=dict)
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    divergence: dict[str, Any] | None = None
+
+
+
+class EvalFailure(Artifact):
+    """Beside recovery.json while a variant's last scoring failed."""
+
+    FILE: ClassVar[str] = "eval_failure.json"
+    DIR: ClassVar[str] = "evals"  # beside recovery.json
+    identity: str
+    reason: str
+    stage: str = "eval"
+    hardware: str = ""
+    when: str = ""
+
+
+
+# --- report -------------------------------------------------------------------------------------
+NOT_EVALUATED = "not evaluated"
+
+
+class PlanTarget(BaseModel):
+    """Where the planner places each variant: an accelerator preset (or memory) and contexts.
+    ``gpu: auto`` is the card this machine has (its preset, else its memory), or h100-80gb on
+    a host without a GPU (decided by :func:`pipeline.report.compare.resolve_plan_target`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gpu: str = "auto"
+    context: int = 2048
+    max_context: int = 8192
+    memory_gb: float | None = None
+
+
+class Row(BaseModel):
+    """Everything known about one model of a comparison."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str  # "baseline" or the recipe
+    recipe: str  # "none" for the baseline
+    scheme: str
+    format: str
+    precision: str
+    weight_bytes: int
+    weight_ratio: float  # weight bytes / the baseline's
+    quantize_seconds: float | None = None
+    plan: dict[str, Any] = Field(default_factory=dict)
+    serving: str = "not measured"  # ok | unsupported | failed | not measured
+    serving_reason: str = ""
+    serving_log: str = ""
+    headline: dict[str, float] = Field(default_factory=dict)  # bench stats at the headline
+    sweep: dict[int, dict[str, float]] = Field(default_factory=dict)  # load point -> stats
+    kv: dict[str, float] = Field(default_factory=dict)
+    engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
+    peak_memory_bytes: int = 0
+    prefix: dict[str, float] = Field(default_factory=dict)
+    eval_backend: str | None = None  # served | emulated | None (not evaluated)
+    suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    tasks: dict[str, TaskEntry] = Field(default_factory=dict)
+    divergence: dict[str, float] = Field(default_factory=dict)
+    threshold: float | None = None
+    gate_status: str = NOT_EVALUATED
+    gate_reason: str = ""
+    notes: list[str] = Field(default_factory=list)
+    measurement: str = ""  # the bench run (its key) the speed figures come from
+    comparable: bool = True  # measured in the comparison's reference run: same baseline run,
+    # workload and load point as every other comparable row
+
+    @property
+    def speedup(self) -> float | None:
+        return self.headline.get("speedup")
+
+    def served_concurrency(self, context: int) -> int | None:
+        """Requests of ``context`` tokens the served engine's KV cache holds at once (paged)."""
+        tokens = self.kv.get("kv_cache_tokens")
+        block = int(self.kv.get("kv_block_size") or 0)  # 0: read from the log, size unknown
+        if not tokens or context <= 0:
+            return None
+        per_request = -(-context // block) * block if block > 0 else context
+        return int(tokens // per_request)
+
+    @property
+    def figures_from(self) -> str:
+        """Where the accuracy figures come from, as the report shows it."""
+        if self.eval_backend == EMULATED:
+            return "emulated (hf, de-compressed weights)"
+        return self.eval_backend or "-"
+
+
+class Comparison(Artifact):
+    """``artifacts/reports/<baseline>/comparison.json``: the join and its verdict."""
+
+    FILE: ClassVar[str] = "comparison.json"
+    baseline: str
+    rows: list[Row]
+    workload: str
+    load_point: int | None
+    plan_target: PlanTarget
+    recommendation: str | None
+    reason: str
+    sources: dict[str, str] = Field(default_factory=dict)
+    # what failed for a reason other than a hardware limit: {variant, stage, reason, log}
+    failures: list[dict[str, str]] = Field(default_factory=list)
+    hardware: str = ""  # where the bench figures were measured (the machine's profile)
+    measurement: dict[str, str] = Field(default_factory=dict)  # the reference bench run
+    objective: str = "speed"
+    plan_note: str = ""  # when the plan is not for the card the figures come from
+    meta: dict[str, str] = Field(default_factory=dict)  # provenance: commit, versions, hardware
+
+    @staticmethod
+    def directory(baseline: str) -> Path:
+        return paths.artifacts_dir() / "reports" / baseline
+
+    def as_dict(self) -> dict[str, Any]:
+        data = json.loads(self.model_dump_json())
+        for row, obj in zip(data["rows"], self.rows, strict=True):
+            row["speedup"] = obj.speedup
+        return data

@@ -1,0 +1,44 @@
+"""Campaign files (``configs/campaigns/*.yaml``): what ``make all`` runs, and where the planner
+places the variants. A plain settings file, checked field by field (file and field named)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from pipeline.core import paths
+from pipeline.core.artifacts import PlanTarget
+from pipeline.core.errors import ConfigError
+from pipeline.core.settings import from_yaml
+
+CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
+OBJECTIVES = ("speed", "memory", "capacity")
+
+
+class CampaignFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("", json_schema_extra={"internal": True})  # set from the file's name
+    path: Path = Field(Path(), json_schema_extra={"internal": True})
+    description: str = ""
+    recipes: tuple[str, ...] = ()  # empty: every recipe in recipes/
+    workloads: tuple[str, ...] = ("chat", "prefix")  # empty: no bench
+    repeats: PositiveInt | None = None  # None: each workload's own
+    suites: tuple[str, ...] = ()  # empty: every suite in evals/
+    limit: PositiveInt | Literal["all"] | None = None  # None: each task's qpipe_limit
+    backend: Literal["auto", "served", "hf"] = "auto"
+    divergence: bool = True
+    objective: Literal["speed", "memory", "capacity"] = "speed"
+    plan: PlanTarget = Field(default_factory=PlanTarget)
+
+
+def load(name_or_path: str) -> CampaignFile:
+    """A campaign by name (``configs/campaigns/<name>.yaml``) or path."""
+    path = paths.find_yaml(name_or_path, CAMPAIGNS_DIR)
+    if path is None:
+        raise ConfigError(f"no campaign {name_or_path!r}: the campaigns are "
+                          f"{', '.join(paths.yaml_names(CAMPAIGNS_DIR))} (configs/campaigns/), "
+                          "or give a path to a YAML file.")
+    return from_yaml(CampaignFile, path, {"name": path.stem, "path": path})

@@ -1,0 +1,110 @@
+"""A comparison in MLflow: one parent run with the report as artifacts, one nested child run per
+variant carrying the joined figures under the stage runs' metric names."""
+
+from __future__ import annotations
+
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline.core import hardware, provenance, tracking
+from pipeline.core.artifacts import Comparison, Row
+from pipeline.core.variant import BASELINE
+from pipeline.report.render import recommendation_line
+
+STAGE = "campaign"
+CHILD_STAGE = "campaign.variant"
+
+
+def run_meta(comparison: Comparison, campaign: str) -> dict[str, str]:
+    """Tags of the parent run, also printed at the foot of the report."""
+    meta = {"baseline": comparison.baseline, "git_commit": provenance.git_commit(),
+            "hardware": hardware.profile().describe(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "campaign": campaign, "cores": str(os.cpu_count())}
+    meta.update({f"version.{k}": v for k, v in provenance.versions().items()})
+    return meta
+
+
+def child_metrics(row: Row) -> dict[str, float]:
+    """The joined figures of one variant, under the stage runs' metric names."""
+    m: dict[str, float] = {tracking.WEIGHT_BYTES: row.weight_bytes,
+                           "weight_ratio": row.weight_ratio}
+    for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY,
+                tracking.KV_CACHE_MEMORY_BYTES):
+        if key in row.kv:
+            m[key] = row.kv[key]
+    if row.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
+        m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES]
+    m.update(row.plan)  # at the campaign's plan target (the parent's plan_* params)
+    if row.serving == "ok":
+        m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
+        if row.peak_memory_bytes:
+            m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
+        m.update(row.prefix)
+    for suite, fig in row.suites.items():
+        if fig.get("recovery_pct") is not None:
+            m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig["recovery_pct"]
+            if fig.get("ci_low") is not None:
+                m[f"suite_recovery_pct_ci_low.{suite}"] = fig["ci_low"]
+                m[f"suite_recovery_pct_ci_high.{suite}"] = fig["ci_high"]
+    for key in (tracking.KL_DIV_MEAN, tracking.TOP1_AGREEMENT, tracking.PERPLEXITY):
+        if key in row.divergence:
+            m[key] = row.divergence[key]
+    if row.quantize_seconds is not None:
+        m[tracking.QUANTIZE_SECONDS] = row.quantize_seconds
+    return m
+
+
+def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
+    params: dict[str, object] = {
+        tracking.PARAM_BASELINE: comparison.baseline, tracking.PARAM_RECIPE: row.recipe,
+        tracking.PARAM_SCHEME: row.scheme, "format": row.format, "precision": row.precision,
+        "figures_from": row.figures_from}
+    if row.threshold is not None:
+        params["recovery_threshold_pct"] = row.threshold
+    if row.serving_reason:
+        params["serving_reason"] = row.serving_reason[:500]
+    if row.measurement:
+        params["measurement"] = row.measurement
+        params["comparable"] = row.comparable
+    if row.engine.get("scheme"):
+        params["engine_scheme"] = row.engine["scheme"][:500]
+    return params
+
+
+def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, str]) -> str:
+    """One parent run ``campaign:<name>`` with the report as artifacts; one nested child run
+    ``variant:<name>`` per model."""
+    mlflow = tracking.mlflow_module()
+    mlflow.set_experiment(tracking.experiment_name(comparison.baseline))
+    tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
+            **{f"qpipe.{k}": v for k, v in meta.items()},
+            "recommendation": comparison.recommendation or "none",
+            "failures": "; ".join(f"{f['variant']} ({f['stage']})"
+                                  for f in comparison.failures)[:5000] or "none",
+            "mlflow.note.content": recommendation_line(comparison)}
+    name = f"campaign:{meta['campaign']}"  # the start time is the run's own
+    with mlflow.start_run(run_name=name, tags=tags) as parent:
+        mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
+                           "variants": ",".join(r.name for r in comparison.rows),
+                           "workload": comparison.workload or "-",
+                           "load_point": comparison.load_point or "-",
+                           "plan_target": comparison.plan_target.gpu,
+                           "plan_context": comparison.plan_target.context,
+                           "plan_max_context": comparison.plan_target.max_context,
+                           "objective": comparison.objective,
+                           "measurement": comparison.measurement.get("run", "-"),
+                           "speedup_pairing": comparison.measurement.get("pairing", "-")[:500]})
+        for path in files:
+            mlflow.log_artifact(str(path))
+        for row in comparison.rows:
+            child_tags = {tracking.TAG_STAGE: CHILD_STAGE, "serving_status": row.serving,
+                          "gate": row.gate_status if row.name != BASELINE else "-"}
+            if row.eval_backend:
+                child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
+            with mlflow.start_run(run_name=f"variant:{row.name}", nested=True, tags=child_tags):
+                mlflow.log_params(_child_params(comparison, row))
+                mlflow.log_metrics(child_metrics(row))
+        return parent.info.run_id

@@ -1,0 +1,86 @@
+"""The verdict: which variant to ship for an explicit objective, or none and why not."""
+
+from __future__ import annotations
+
+from pipeline.core import tracking
+from pipeline.core.artifacts import EMULATED, Row
+from pipeline.core.campaigns import OBJECTIVES
+from pipeline.core.variant import BASELINE
+from pipeline.eval import gate
+from pipeline.plan import capacity
+
+__all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
+OBJECTIVE_TEXT = {
+    "speed": "the fastest variant that passes its gate and is faster than the baseline in "
+             "every repeat",
+    "memory": "the variant with the smallest weights that passes its gate",
+    "capacity": "the variant that holds the most concurrent requests at the plan target and "
+                "passes its gate",
+}
+
+
+def _suites_text(row: Row) -> str:
+    return ", ".join(f"{s} {v['recovery_pct']:.1f}% [{v['ci_low']:.1f}, {v['ci_high']:.1f}]"
+                     for s, v in sorted(row.suites.items()) if v.get("recovery_pct") is not None)
+
+
+def speed_text(row: Row) -> str:
+    h = row.headline
+    return (f"{h[tracking.SPEEDUP]:.2f}x [{h[tracking.SPEEDUP + '_min']:.2f}-"
+            f"{h[tracking.SPEEDUP + '_max']:.2f}]")
+
+
+def _why_not(row: Row, objective: str) -> str | None:
+    """Why ``row`` cannot be recommended for ``objective``; None when it can."""
+    if row.gate_status != gate.PASS:
+        detail = f": {row.gate_reason}" if row.gate_reason else ""
+        return f"gate {row.gate_status}{detail}"
+    if row.serving == "failed":
+        return f"passes its gate but failed while served ({row.serving_reason})"
+    if row.serving != "ok" or row.speedup is None:
+        why = row.serving_reason or "its speed was not measured (make bench)"
+        return f"passes its gate but was not served here ({why})"
+    if not row.comparable:
+        return f"passes its gate but its speed is from another measurement ({row.measurement})"
+    if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_max", 0) < 1:
+        return f"passes its gate but is slower than the baseline ({speed_text(row)})"
+    if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_min", 0) <= 1:
+        return (f"passes its gate but is not shown faster than the baseline: its speedup "
+                f"{speed_text(row)} straddles 1")
+    return None
+
+
+def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, str]:
+    """The variant that best meets ``objective`` among those that pass their gate on every
+    suite, were served here and were measured in the comparison's reference run; else why
+    none does, variant by variant."""
+    eligible, why_not = [], []
+    for row in rows:
+        if row.name == BASELINE:
+            continue
+        why = _why_not(row, objective)
+        if why is None:
+            eligible.append(row)
+        else:
+            why_not.append(f"{row.name}: {why}")
+    if not eligible:
+        return None, (f"objective {objective} ({OBJECTIVE_TEXT[objective]}): no variant "
+                      "qualifies: " + ("; ".join(why_not) if why_not else
+                                       "no variant on disk (make quantize)"))
+    if objective == "speed":
+        best = max(eligible, key=lambda r: r.speedup or 0.0)
+    elif objective == "memory":
+        best = min(eligible, key=lambda r: r.weight_bytes)
+    else:
+        best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
+                                            -r.weight_bytes))
+    reason = (f"{best.name} (objective {objective}: {OBJECTIVE_TEXT[objective]}): "
+              f"{speed_text(best)} the baseline's throughput, {best.weight_ratio:.2f}x its "
+              f"weight memory")
+    if best.plan:
+        reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
+                   "requests planned")
+    reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%)"
+    if best.eval_backend == EMULATED:
+        reason += " [accuracy emulated]"
+    return best.name, reason

@@ -1,0 +1,94 @@
+"""Why an engine failed, and whether that means "this hardware cannot serve the format".
+
+Classified by the engine's fatal error lines only (a warning that something "is not supported"
+is not why it died), a resource failure (out of memory, disk full) first. A refusal is
+remembered per checkpoint, hardware key and vLLM version, the moment it happens.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline.core import hardware, paths
+from pipeline.core.errors import QpipeError
+from pipeline.core.fsutil import read_json, write_json_atomic
+from pipeline.core.provenance import vllm_version
+
+# Error lines of a failed engine that say it cannot run a format on this hardware.
+UNSUPPORTED_PATTERNS = (
+    r"Failed to find a kernel",
+    r"'_OpNamespace' '_C\w*' object has no attribute",  # a kernel library without the op
+    r"[Nn]o (?:compressed-tensors )?compatible (?:scheme|kernel)",
+    r"is not supported",
+    r"not (?:currently )?supported",
+    r"[Nn]ot ?[Ii]mplemented",
+    r"requires? (?:x86 with )?(?:AVX|AMX|CUDA|a GPU|compute capability)",
+    r"Marlin .* not available",
+)
+# Fatal errors about resources, never a format: an out-of-memory crash is not "unsupported",
+# whatever the log said before it.
+RESOURCE_PATTERNS = (r"out of memory", r"OutOfMemory", r"Cannot allocate memory",
+                     r"No space left")
+_ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception)\b:|\bERROR\b")
+
+
+class ServeError(QpipeError):
+    """The engine failed to start, died mid-run, or never became healthy."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message  # the engine's own words, for tables and MLflow
+
+
+class UnsupportedFormat(ServeError):
+    """The engine cannot serve this checkpoint's format on this hardware."""
+
+
+def failure_reason(log_text: str) -> tuple[str, bool]:
+    """The most telling error line of a failed engine, and whether it means 'unsupported'."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    fatal = [ln for ln in lines
+             if _ERROR_LINE.search(ln) and not ln.startswith(("File ", "^", "Traceback"))]
+    for line in reversed(fatal):
+        if any(re.search(p, line) for p in RESOURCE_PATTERNS):
+            return _strip_log_prefix(line), False
+    for pattern in UNSUPPORTED_PATTERNS:
+        for line in fatal:  # the first: the root cause, before the errors it set off
+            if re.search(pattern, line):
+                return _strip_log_prefix(line), True
+    errors = [i for i, ln in enumerate(lines) if re.search(r"(Error|Exception)\b.*:", ln)]
+    if not errors:
+        return (lines[-1] if lines else "no output"), False
+    reason = _strip_log_prefix(lines[errors[-1]])
+    if re.search(r"validation errors? for \w+$", reason) and errors[-1] + 1 < len(lines):
+        reason += ": " + _strip_log_prefix(lines[errors[-1] + 1])  # pydantic: the detail follows
+    return reason, False
+
+
+def _strip_log_prefix(line: str) -> str:
+    # "(EngineCore pid=12) ERROR 11-29 09:40:01 [core.py:12] ValueError: ..." -> "ValueError: ..."
+    bare = re.sub(r"^(\(.*?\)\s*)?(ERROR|WARNING|INFO)?\s*(\d\d-\d\d [\d:]+\s*)?(\[.*?\]\s*)?",
+                  "", line).strip() or line
+    return re.sub(r"\s*Reasons:\s*$", "", bare).rstrip(": .")
+
+
+def _refusal_file(identity: str) -> Path:
+    key = hardware.profile().key()
+    return paths.artifacts_dir() / "cache" / "unsupported" / f"{identity}-{key}.json"
+
+
+def known_refusal(identity: str) -> str | None:
+    """The reason this vLLM already gave, on this hardware (its profile key: CPU ISA class or
+    GPU model and compute capability), for not serving the checkpoint ``identity``; None if
+    it never refused it. Spares a minute-long failed start."""
+    known = read_json(_refusal_file(identity))
+    return known.get("reason") if known.get("vllm") == vllm_version() else None
+
+
+def remember_refusal(identity: str, reason: str) -> None:
+    """Remembered the moment it happens: a run that dies later still keeps what it learnt."""
+    write_json_atomic(_refusal_file(identity), {
+        "vllm": vllm_version(), "reason": reason, "hardware": hardware.profile().describe(),
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds")})

@@ -1,0 +1,47 @@
+"""vLLM engine settings: one object for every server a stage or campaign starts (bench's and
+eval's alike), from which the engine's CLI options are derived; every field is recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_model_len: int = Field(2048, description="vLLM context length (capped at the model's)",
+                               json_schema_extra={"make": "MAX_MODEL_LEN"})
+    dtype: str = Field("bfloat16", description="vLLM --dtype",
+                       json_schema_extra={"cli": False})
+    kv_cache_space_gib: int = Field(
+        1, description="CPU: VLLM_CPU_KVCACHE_SPACE in whole GiB, as vLLM reads it",
+        json_schema_extra={"flag": "--kv-cache-gib", "make": "KV_CACHE_GIB"})
+    gpu_memory_utilization: float = Field(0.9, description="CUDA: vLLM --gpu-memory-utilization",
+                                          json_schema_extra={"make": "GPU_UTIL"})
+    enable_prefix_caching: bool = Field(True, description="prefix caching (bench turns it off "
+                                        "for its speed sweeps)", json_schema_extra={"cli": False})
+    max_num_batched_tokens: int | None = Field(None, description="vLLM --max-num-batched-tokens")
+    max_num_seqs: int | None = Field(None, description="vLLM --max-num-seqs",
+                                     json_schema_extra={"cli": False})
+    # None: eager on CPUs (torch.compile costs ~60 s per start there, and decode is compute-
+    # bound), compiled with CUDA graphs on GPUs (eager decode is bound by kernel launches there:
+    # it would understate every tok/s, ITL and speedup)
+    enforce_eager: bool | None = Field(
+        None, description="run eager (default on CPUs)", json_schema_extra={
+            "flag": "--eager", "negative": "--compile",
+            "negative_help": "let vLLM compile, with CUDA graphs on GPUs (default on GPUs)"})
+    extra_args: tuple[str, ...] = Field(
+        (), description="any other `vllm serve` flag, passed as is, e.g. "
+        "--vllm-arg=--tensor-parallel-size=2", json_schema_extra={
+            "flag": "--vllm-arg", "metavar": "FLAG", "make": "VLLM_ARGS"})
+
+    def resolved(self, target: str) -> EngineSettings:
+        """These settings with every automatic choice made for ``target`` (cpu | cuda)."""
+        if self.enforce_eager is not None:
+            return self
+        return self.model_copy(update={"enforce_eager": target == "cpu"})
+
+    def as_params(self) -> dict[str, Any]:
+        return {f"engine.{k}": v for k, v in self.model_dump().items() if v not in (None, ())}
