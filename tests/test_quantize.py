@@ -175,3 +175,24 @@ def test_interrupt_mid_quantize_leaves_no_partial_variant(
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted" in stderr and "partial output was removed" in stderr
     assert list(parent.iterdir()) == []
+
+
+def test_an_interrupt_a_library_turns_into_its_own_error_is_still_an_interrupt(
+    tiny_model: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM landed inside llmcompressor, which answered with an error of its own (seen in CI:
+    UnboundLocalError in its callback code): the run ends as interrupted (exit 130), not as a
+    failed recipe (exit 2)."""
+    import llmcompressor
+
+    from pipeline.core import interrupts
+
+    def interrupted_inside(**_: object) -> None:
+        monkeypatch.setattr(interrupts, "_received", signal.SIGTERM)  # what the handler records
+        raise UnboundLocalError("cannot access local variable 'caller'")
+
+    monkeypatch.setattr(llmcompressor, "oneshot", interrupted_inside)
+    base = baselines.resolve(str(tiny_model))
+    with pytest.raises(KeyboardInterrupt):
+        quantize.quantize(base, _quick("fp8"))
+    assert not paths.variant_dir(base.name, "fp8").exists()

@@ -74,6 +74,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
             raise output_error(target.parent, err) from None
         raise
     except Exception as err:  # e.g. safetensors' own error for a full disk
+        interrupts.check()
         if is_disk_full(err):
             raise output_error(target.parent, OSError(errno.ENOSPC, "no space left")) from None
         raise

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.core import hardware, paths
+from pipeline.core import hardware, interrupts, paths
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import EMULATED, SERVED
 from pipeline.core.errors import QpipeError
@@ -201,6 +201,7 @@ def run_task(lm: Any, model_args: str | None, model: Variant, task: suites.Task,
     except KeyboardInterrupt:
         raise
     except Exception as err:
+        interrupts.check()  # the interrupt surfaced as the library's own error: still one
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise EvalError(
             f"lm-eval failed on task {task.name} ({paths.shown(task.path)}) for {model.name} "

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import hardware, paths, tracking
+from pipeline.core import hardware, interrupts, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
@@ -204,6 +204,7 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
     except (KeyboardInterrupt, RecipeError):
         raise
     except Exception as err:
+        interrupts.check()  # the interrupt surfaced as the library's own error: still one
         raise QuantizeError(
             f"llmcompressor failed on {recipe.path} with {base.name}: {type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. Check the recipe's "
