@@ -190,6 +190,14 @@ def test_failure_reason_prefers_the_kernel_line_over_the_traceback() -> None:
     ])
     reason, unsupported = failure_reason(log)
     assert unsupported and reason.startswith("ValueError: Failed to find a kernel")
+    # vLLM's workers log the traceback's source lines at ERROR level too: the message wins
+    worker = "(Worker pid=7187) ERROR 11-30 21:54:01 [multiproc_executor.py:1063] "
+    reason, unsupported = failure_reason("\n".join([
+        worker + "    raise NotImplementedError(",
+        worker + "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.",
+    ]))
+    assert unsupported
+    assert reason == "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
     reason, unsupported = failure_reason("RuntimeError: boom: no memory\n")
     assert not unsupported and reason == "RuntimeError: boom: no memory"
     reason, _ = failure_reason("pydantic_core.ValidationError: 1 validation error for VllmConfig\n"

@@ -49,8 +49,10 @@ class UnsupportedFormat(ServeError):
 def failure_reason(log_text: str) -> tuple[str, bool]:
     """The most telling error line of a failed engine, and whether it means 'unsupported'."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    fatal = [ln for ln in lines
-             if _ERROR_LINE.search(ln) and not ln.startswith(("File ", "^", "Traceback"))]
+    # an error line, not a traceback's frame or source line (vLLM's workers log those at
+    # ERROR level too: "ERROR ... [multiproc_executor.py:1063]     raise NotImplementedError(")
+    fatal = [ln for ln in lines if _ERROR_LINE.search(ln)
+             and not _strip_log_prefix(ln).startswith(("File ", "^", "Traceback", "raise "))]
     for line in reversed(fatal):
         if any(re.search(p, line) for p in RESOURCE_PATTERNS):
             return _strip_log_prefix(line), False
