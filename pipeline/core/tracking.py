@@ -5,6 +5,7 @@ The tracking store is ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<projec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import urllib.request
@@ -87,10 +88,24 @@ def experiment_name(baseline_name: str) -> str:
     return f"{EXPERIMENT_PREFIX}{baseline_name}"
 
 
+def use_experiment(baseline_name: str) -> None:
+    """Make the baseline's experiment the active one, creating it if missing. With a local
+    SQLite store its artifacts go beside the database (``mlruns/`` next to ``mlflow.db``), not
+    to ``./mlruns`` under whatever directory the process runs in."""
+    mlflow = mlflow_module()
+    name = experiment_name(baseline_name)
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(name) is None:
+        location = (Path(uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
+        with contextlib.suppress(Exception):  # created meanwhile by another process: use it
+            mlflow.create_experiment(name, artifact_location=location)
+    mlflow.set_experiment(name)
+
+
 def prepare(baseline_name: str) -> None:
     """Create the store and the baseline's experiment now: processes that log at once must
     not race to create the schema of a new SQLite store."""
-    mlflow_module().set_experiment(experiment_name(baseline_name))  # creates it if missing
+    use_experiment(baseline_name)
 
 
 def find_run(baseline_name: str, stage: str, cache_key: str) -> str | None:
@@ -134,7 +149,7 @@ def log_run(
     mlflow = mlflow_module()
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
     try:
-        mlflow.set_experiment(experiment_name(baseline_name))
+        use_experiment(baseline_name)
         with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
             mlflow.log_params(dict(params))
             mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
@@ -175,6 +190,14 @@ SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree
 # two below say what weights and KV cache take
 ENGINE_WEIGHT_MEMORY_BYTES = "engine_weight_memory_bytes"  # "Model loading took X GiB" (GPU)
 KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used
+# capacity at a latency objective (a workload with an slo): the highest max concurrency found
+# to meet it, and the medians measured there
+SLO_MAX_CONCURRENCY = "slo_max_concurrency"
+SLO_REQUESTS_PER_S = "slo_requests_per_s"
+SLO_OUTPUT_TOKENS_PER_S = "slo_output_tokens_per_s"
+SLO_GOODPUT = "slo_goodput_requests_per_s"  # vLLM's goodput (requests meeting ttft/tpot/e2el)
+GOODPUT = "goodput_requests_per_s"
+PREEMPTIONS = "preemptions"  # the engine preempted requests: its KV cache was full
 
 # evaluate. Scores are "<task>.<metric>": app_facts.acc, qpipe_gsm8k.exact_match/strict-match
 RECOVERY_PREFIX = "recovery_pct."  # + task: variant / baseline score x 100 (the task's metric)

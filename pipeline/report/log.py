@@ -43,6 +43,10 @@ def child_metrics(row: Row) -> dict[str, float]:
         if row.peak_memory_bytes:
             m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
         m.update(row.prefix)
+        m.update({k: float(v) for k, v in row.capacity.items() if k.startswith("slo_")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        m.update({k: float(v) for k, v in row.cost.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for suite, fig in row.suites.items():
         if fig.get("recovery_pct") is not None:
             m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig["recovery_pct"]
@@ -78,7 +82,7 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
     """One parent run ``campaign:<name>`` with the report as artifacts; one nested child run
     ``variant:<name>`` per model."""
     mlflow = tracking.mlflow_module()
-    mlflow.set_experiment(tracking.experiment_name(comparison.baseline))
+    tracking.use_experiment(comparison.baseline)
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
