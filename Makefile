@@ -39,8 +39,16 @@ CAMPAIGN      ?= $(if $(QUICK),quick,default)
 # where make all / compare plan each variant (default: the campaign file's plan:)
 PLAN_GPU      ?=
 PLAN_CONTEXT  ?=
-# what the recommendation optimises: speed (default) | memory | capacity
+# what the recommendation optimises: speed (default) | memory | capacity | cost
 OBJECTIVE     ?=
+# the capacity search's latency objective (default: the capacity workload's slo, in ms)
+SLO_TTFT_MS   ?=
+SLO_ITL_MS    ?=
+# cost: USD per hour of the measuring machine (default: the campaign's cost: block), and a
+# target load to size for (concurrent users or requests per second)
+PRICE_PER_HOUR ?=
+TARGET_USERS  ?=
+TARGET_RPS    ?=
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
 GPU           ?= h100-80gb
@@ -74,6 +82,9 @@ opt = $(if $(2),$(1) $(2))
 # the vLLM engine, the same for every server bench and eval start
 ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
   $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
+SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SLO_ITL_MS))
+COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
+  $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 
 .PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean
 
@@ -81,6 +92,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
+	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
@@ -99,14 +111,14 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(call opt,--repeats,$(REPEATS)) $(call opt,--gpu,$(PLAN_GPU)) \
 	  $(call opt,--context,$(PLAN_CONTEXT)) $(if $(FORCE),--force) \
 	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) $(call opt,--objective,$(OBJECTIVE)) \
-	  $(ENGINE_OPTS) \
+	  $(ENGINE_OPTS) $(SLO_OPTS) $(COST_OPTS) \
 	  $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
 	  $(call opt,--calib-data,$(CALIB_DATA))
 
 compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
 	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
 	  $(foreach r,$(RECIPE),--recipe $(r)) $(call opt,--gpu,$(PLAN_GPU)) \
-	  $(call opt,--context,$(PLAN_CONTEXT)) $(call opt,--objective,$(OBJECTIVE))
+	  $(call opt,--context,$(PLAN_CONTEXT)) $(call opt,--objective,$(OBJECTIVE)) $(COST_OPTS)
 
 setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
 
@@ -131,7 +143,7 @@ quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4
 bench: $(PIPELINE_STAMP) $(SERVE_STAMP) ## serve + load-test: RECIPE=fp8 (default: baseline and every variant on disk)
 	@$(QPIPE) bench --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(foreach w,$(WORKLOAD),--workload $(w)) $(call opt,--repeats,$(REPEATS)) \
-	  $(if $(FORCE),--force) $(ENGINE_OPTS)
+	  $(if $(FORCE),--force) $(ENGINE_OPTS) $(SLO_OPTS)
 
 eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=int4 SUITE=app LIMIT=
 	@$(QPIPE) eval --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \

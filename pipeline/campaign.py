@@ -27,6 +27,7 @@ from pipeline import eval as evaluation
 from pipeline.core import campaigns, jobs, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import Comparison, Manifest
+from pipeline.core.campaigns import ObjectiveName
 from pipeline.core.errors import ConfigError, QpipeError, TrackingError
 from pipeline.core.hardware import serve_target
 from pipeline.core.settings import StageSettings, baseline_field, force_field
@@ -34,6 +35,7 @@ from pipeline.quantize import baseline as baselines
 from pipeline.quantize import parallel
 from pipeline.quantize.settings import CalibrationOverrides, QuantizeSettings
 from pipeline.quantize.stage import cache_key, is_current, recipe_for
+from pipeline.report.settings import CostOverrides
 from pipeline.serve import EngineSettings, ServerPool
 
 log = qlog.get("all")
@@ -63,9 +65,17 @@ class CampaignSettings(StageSettings):
     limit: PositiveInt | Literal["all"] | None = Field(
         None, description="override the campaign's items per task (a number or `all`)",
         json_schema_extra={"make": "LIMIT"})
-    objective: Literal["speed", "memory", "capacity"] | None = Field(
+    objective: ObjectiveName | None = Field(
         None, description="override the campaign's objective", json_schema_extra={
             "make": "OBJECTIVE"})
+    slo_ttft_ms: float | None = Field(None, gt=0, description="override the capacity search's "
+                                      "TTFT p99 bound (ms)", json_schema_extra={
+                                          "make": "SLO_TTFT_MS"})
+    slo_itl_ms: float | None = Field(None, gt=0, description="override the capacity search's "
+                                     "ITL p99 bound (ms)", json_schema_extra={
+                                         "make": "SLO_ITL_MS"})
+    cost: CostOverrides = Field(default_factory=CostOverrides,
+                                json_schema_extra={"nested": True})
     gpu: str | None = Field(None, description="accelerator preset the planner places each "
                             "variant on", json_schema_extra={"make": "PLAN_GPU"})
     context: int | None = Field(None, description="tokens per request for planned concurrency",
@@ -90,7 +100,8 @@ class CampaignSettings(StageSettings):
                      if v}
         plan = file.plan.model_copy(update={k: v for k, v in (("gpu", self.gpu),
                                                                ("context", self.context)) if v})
-        return file.model_copy(update={**overrides, "plan": plan})
+        return file.model_copy(update={**overrides, "plan": plan,
+                                       "cost": self.cost.apply(file.cost)})
 
 
 def stages(settings: CampaignSettings, file: campaigns.CampaignFile
@@ -103,7 +114,8 @@ def stages(settings: CampaignSettings, file: campaigns.CampaignFile
                                  calibration=settings.calibration) for r in recipes]
     bench_settings = bench.BenchSettings(
         baseline=settings.baseline, recipes=tuple(recipes), workloads=file.workloads,
-        repeats=file.repeats, force=settings.force, engine=settings.engine) \
+        repeats=file.repeats, force=settings.force, engine=settings.engine,
+        slo_ttft_ms=settings.slo_ttft_ms, slo_itl_ms=settings.slo_itl_ms) \
         if file.workloads else None  # no workloads: no bench (e.g. no serving environment)
     eval_settings = evaluation.EvalSettings(
         baseline=settings.baseline, recipes=tuple(recipes), suites=file.suites,
@@ -197,7 +209,8 @@ def run(settings: CampaignSettings) -> Comparison:
                    lambda c=call, s=stage_settings: c(s, pool))
     clock.next("compare")
     comparison, _ = report.compare_and_log(base, list(left), file.plan, file.name,
-                                           settings.track, failures, file.objective)
+                                           settings.track, failures, file.objective,
+                                           file.cost)
     if comparison.failures:
         raise CampaignIncomplete(
             f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "

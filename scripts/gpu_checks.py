@@ -63,6 +63,20 @@ def main() -> int:
         sweep = next(iter(entry.workloads.values()), None)
         check(sweep is not None and sweep.prefix_cache_hit_tokens == 0,
               f"{name}: the headline sweep was cold (0 prefix-cache hit tokens)")
+        search = next((w.capacity for w in entry.workloads.values() if w.capacity), None)
+        check(search is not None and search.get("slo_max_concurrency", 0) > 0,
+              f"{name}: capacity at the objective: "
+              f"{search and search.get('slo_max_concurrency')} users, limited by "
+              f"{search and search.get('limited_by')} (15.1)")
+        if engine.get("kv_cache_dtype") == "fp8" or name.endswith("fp8kv"):
+            base = summary.models.get("baseline")
+            per_byte = kv.get("kv_cache_tokens", 0) / max(1, kv.get("kv_cache_memory_bytes", 1))
+            base_per_byte = (base.kv.get("kv_cache_tokens", 0)
+                             / max(1, base.kv.get("kv_cache_memory_bytes", 1))) if base else 0
+            check(engine.get("kv_cache_dtype") == "fp8" and base_per_byte > 0
+                  and abs(per_byte / base_per_byte - 2) <= 0.05,
+                  f"{name}: FP8 KV cache holds {per_byte / max(base_per_byte, 1e-12):.2f}x the "
+                  "tokens per byte of the baseline's bf16 cache (15.4: ~2x, as planned)")
     recoveries = [RecoverySummary.read(p) for p in ARTIFACTS.glob(
         f"evals/*/*/{RecoverySummary.FILE}")]
     served = [r.recipe or "?" for r in recoveries
@@ -74,6 +88,10 @@ def main() -> int:
         target = comparison.plan_target
         check(comparison.plan_note == "",
               f"planned for this machine's card: {target.gpu} {target.memory_gb or ''} (6)")
+        priced = [r.name for r in comparison.rows if r.cost.get("usd_per_million_output_tokens")]
+        check(bool(priced) and "preset" in comparison.price.get("source", ""),
+              f"cost per million tokens at the card's preset price for: {', '.join(priced)} "
+              "(15.5)")
     divergence = newest("evals/*/divergence/*-cuda.json")
     check(divergence is not None, "held-out divergence ran on the GPU (10)")
     failed = [what for ok, what in results if not ok]

@@ -23,6 +23,7 @@ from pipeline.plan import capacity
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
 from pipeline.quantize import stage as quantize
+from pipeline.report.cost import USD_PER_MTOK
 from pipeline.serve import EngineSettings, ServerPool, VllmServer, known_refusal
 from tests.conftest import TINY_LOAD
 
@@ -42,6 +43,21 @@ repeats: 1
 seed: 7
 compare_prefix_caching: true
 models: baseline
+"""
+
+# a capacity search whose objective every run meets: it brackets 1, 2, 4 and stops at its
+# ceiling (a knee is found on a fake latency curve in test_slo)
+TINY_CAPACITY = """\
+description: tiny capacity search
+dataset: random
+input_len: 16
+output_len: 4
+slo: {ttft_ms: 600000, itl_ms: 600000}
+search_ceiling: 4
+min_prompts: 2
+prompts_per_concurrency: 1
+repeats: 2
+seed: 9
 """
 
 
@@ -85,8 +101,10 @@ def test_bench_measures_baseline_and_variant_through_vllm(
                                                                   max_seq_length=32))
     (workspace / "tiny.yaml").write_text(TINY_LOAD)
     (workspace / "tinyprefix.yaml").write_text(TINY_PREFIX)
+    (workspace / "tinycap.yaml").write_text(TINY_CAPACITY)
     loads = [workloads.load(str(workspace / "tiny.yaml")),
-             workloads.load(str(workspace / "tinyprefix.yaml"))]
+             workloads.load(str(workspace / "tinyprefix.yaml")),
+             workloads.load(str(workspace / "tinycap.yaml"))]
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
         summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
@@ -130,6 +148,14 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         # the speed sweep is cold: the engine's counters saw prompts and not one cache hit
         sweep = entry.workloads["tiny"]
         assert sweep.prefix_cache_hit_tokens == 0 and sweep.prefix_cache_hit_rate == 0
+        # the capacity search ran through vLLM's client, every point with both repeats
+        found = entry.workloads["tinycap"].capacity
+        assert found is not None
+        assert found["slo_max_concurrency"] == 4 and found["censored"]
+        assert found["points"] == {"1": [True, True], "2": [True, True], "4": [True, True]}
+        assert found["slo_output_tokens_per_s"] > 0
+        assert found["limited_by"].startswith("the search ceiling")
+        assert entry.workloads["tinycap"].prefix_cache_hit_tokens == 0  # cold too
     # prefix reuse, on the baseline only: hits where the prefix allows them, and no more
     base_prefix = summary.models["baseline"].workloads
     on = base_prefix["tinyprefix"]
@@ -151,6 +177,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert "speedup" not in summary.models["baseline"].workloads["tiny"].points[2]
     table = format_table(summary, loads)
     assert "tiny (concurrency 2" in table and "prefix caching off" in table
+    assert "at least 4 concurrent requests" in table
 
     import mlflow
 
@@ -166,6 +193,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert variant.metrics["prefix_cache_hit_tokens"] == 0  # logged: the sweep was cold
     assert variant.params["speedup_pairing"].startswith("interleaved")
     assert runs["bench:baseline"].data.metrics["tinyprefix.prefix_cache_hit_rate"] > 0.2
+    assert variant.metrics[tracking.SLO_MAX_CONCURRENCY] == 4
+    assert variant.metrics[tracking.SLO_OUTPUT_TOKENS_PER_S] > 0
     client = mlflow.MlflowClient()
     history = client.get_metric_history(runs["bench:int4"].info.run_id,
                                         f"{SWEEP}{tracking.OUTPUT_TOKENS_PER_S}")
@@ -193,6 +222,11 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary.models["int4"].kv[
         tracking.KV_CACHE_TOKENS]
     assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.2
+    # capacity at the objective, its cost at the host's price, and where the speedup crosses 1
+    assert rows["int4"].capacity[tracking.SLO_MAX_CONCURRENCY] == 4
+    tps = rows["int4"].capacity[tracking.SLO_OUTPUT_TOKENS_PER_S]
+    assert rows["int4"].cost[USD_PER_MTOK] == pytest.approx(0.10 / (tps * 3600) * 1e6)
+    assert "than the baseline" in rows["int4"].crossover
 
 
 def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
@@ -203,15 +237,21 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
     CPU fact, remembered at once; the baseline is measured as usual; eval scores int4 emulated."""
     monkeypatch.setenv(hardware.ISA_ENV, "avx2")
     base = baselines.resolve(str(tiny_model))
-    quantize.quantize(base, recipes.load("int4").with_calibration(num_samples=4,
-                                                                  max_seq_length=32))
+    for recipe in ("int4", "int8-fp8kv"):
+        quantize.quantize(base, recipes.load(recipe).with_calibration(num_samples=4,
+                                                                      max_seq_length=32))
     (workspace / "tiny.yaml").write_text(TINY_LOAD.replace("load_points: [1, 2]",
                                                            "load_points: [2]")
                                          .replace("repeats: 2", "repeats: 1"))
     loads = [workloads.load(str(workspace / "tiny.yaml"))]
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     with ServerPool() as pool:
-        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
+        summary = bench.bench(base, ["int4", "int8-fp8kv"], loads, settings, target="cpu",
+                              pool=pool)
+        # an FP8 KV cache needs AVX-512 or AMX on CPUs: refused, with vLLM's own words
+        fp8kv = summary.models["int8-fp8kv"]
+        assert fp8kv.status == "unsupported", fp8kv
+        assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in fp8kv.reason
         int4 = summary.models["int4"]
         assert int4.status == "unsupported", int4
         assert int4.reason.startswith("AttributeError: '_OpNamespace' '_C' object has no "
@@ -248,3 +288,31 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
     monkeypatch.delenv(hardware.ISA_ENV)
     if hardware.profile().kernel_library != "_C_AVX2":
         assert known_refusal(int4.identity) is None
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_as_planned_or_is_unsupported(
+    tiny_model: Path, workspace: Path, served_setup: Path
+) -> None:
+    """The int8 recipe with a calibrated FP8 KV cache: vLLM stores the cache in FP8 (from the
+    checkpoint's kv_cache_scheme), so the same budget holds twice the tokens of the bf16
+    cache, as the planner predicts; on a CPU without AVX-512 or AMX it is unsupported."""
+    base = baselines.resolve(str(tiny_model))
+    quantize.quantize(base, recipes.load("int8-fp8kv").with_calibration(num_samples=4,
+                                                                        max_seq_length=32))
+    (workspace / "tiny.yaml").write_text(TINY_LOAD.replace("load_points: [1, 2]",
+                                                           "load_points: [2]")
+                                         .replace("repeats: 2", "repeats: 1"))
+    loads = [workloads.load(str(workspace / "tiny.yaml"))]
+    summary = bench.bench(base, ["int8-fp8kv"], loads,
+                          EngineSettings(max_model_len=512, kv_cache_space_gib=1), target="cpu")
+    entry, baseline = summary.models["int8-fp8kv"], summary.models["baseline"]
+    if hardware.profile().kernel_library == "_C_AVX2":
+        assert entry.status == "unsupported"
+        assert "requires x86 with AVX-512 or AMX" in entry.reason
+        return
+    assert entry.status == "ok", entry.reason
+    assert entry.engine["kv_cache_dtype"] == "fp8"
+    ratio = entry.kv[tracking.KV_CACHE_TOKENS] / baseline.kv[tracking.KV_CACHE_TOKENS]
+    assert 1.9 <= ratio <= 2.1, ratio
+    assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
+    assert entry.workloads["tiny"].points[2][tracking.OUTPUT_TOKENS_PER_S] > 0

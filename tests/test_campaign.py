@@ -161,8 +161,10 @@ class _Stages:
             self.calls["eval"] = settings
 
         def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
-                    failures: list[dict[str, str]], objective: str) -> tuple[object, list]:
+                    failures: list[dict[str, str]], objective: str,
+                    cost: object) -> tuple[object, list]:
             self.calls["compare"] = recipes
+            self.calls["cost"] = cost
             return Comparison(baseline="tiny", rows=[], workload="", load_point=None,
                               plan_target=PlanTarget(), recommendation=None, reason="",
                               failures=failures), []

@@ -312,3 +312,23 @@ def test_metric_names_are_kept_in_one_place():
                                                kv_budget_bytes=10**8))
     assert tuple(plan.metrics()) == capacity.PLANNED_METRICS
     assert all(name.startswith("planned_") for name in capacity.PLANNED_METRICS)
+
+
+def test_a_checkpoint_with_a_kv_cache_scheme_is_planned_with_an_fp8_cache() -> None:
+    from pipeline.plan.architecture import checkpoint_kv_dtype
+
+    config = json.loads((CONFIGS_DIR / "models" / "smollm2-135m" / "config.json").read_text())
+    assert checkpoint_kv_dtype(config) is None
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    quantized = {**config, "quantization_config": {"format": "int-quantized",
+                                                   "kv_cache_scheme": scheme}}
+    assert checkpoint_kv_dtype(quantized) == "fp8"
+    assert checkpoint_kv_dtype({"quantization_config": {"kv_cache_scheme": {
+        **scheme, "type": "int"}}}) is None  # an INT8 cache is not one the planner knows
+    budget = 2**30
+    bf16 = capacity.predict_vllm_kv_cache(config, budget, block_size=128, kv_dtype="bf16",
+                                          max_model_len=2048)
+    fp8 = capacity.predict_vllm_kv_cache(quantized, budget, block_size=128,
+                                         kv_dtype=checkpoint_kv_dtype(quantized),
+                                         max_model_len=2048)
+    assert fp8.kv_cache_tokens == pytest.approx(2 * bf16.kv_cache_tokens, rel=0.01)

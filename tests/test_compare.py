@@ -14,6 +14,7 @@ from pipeline.core import campaigns, tracking
 from pipeline.core.artifacts import (
     BenchSummary,
     Comparison,
+    CostTarget,
     ModelBench,
     PlanTarget,
     Row,
@@ -21,7 +22,7 @@ from pipeline.core.artifacts import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
-from pipeline.report import compare, plots
+from pipeline.report import compare, cost, plots
 from pipeline.report import render as report
 from pipeline.report.recommend import recommend
 
@@ -97,8 +98,24 @@ def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None
     b.plan = {"planned_max_concurrency_paged": 90, "planned_max_concurrency_worst_case": 20}
     assert recommend([_baseline(), a, b], "capacity")[0] == "int4"
     assert recommend([_baseline(), a, b], "speed")[0] == "fp8"
-    with pytest.raises(ConfigError, match="objective 'cost'"):
-        compare.collect(None, objective="cost")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="objective 'latency'"):
+        compare.collect(None, objective="latency")  # type: ignore[arg-type]
+
+
+def test_cost_objective_takes_the_cheapest_passing_variant_per_million_tokens() -> None:
+    cheap, dear, failing = (_row("int8", 1.1, gate.PASS), _row("fp8", 1.5, gate.PASS),
+                            _row("int4", 0.8, gate.INCONCLUSIVE))
+    for row, tps in ((cheap, 120.0), (dear, 60.0), (failing, 300.0)):
+        row.capacity = {tracking.SLO_MAX_CONCURRENCY: 8, tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
+                        tracking.SLO_REQUESTS_PER_S: tps / 16}
+        row.cost = cost.figures(row, 0.36, CostTarget())
+    best, reason = recommend([_baseline(), cheap, dear, failing], "cost")
+    assert best == "int8"  # int4 is cheaper still, but its gate is inconclusive
+    assert "$0.83 per million output tokens at 8 concurrent requests" in reason
+    # without a capacity at the objective there is no cost, and no recommendation for it
+    dear.cost = {}
+    best, reason = recommend([_baseline(), dear], "cost")
+    assert best is None and "no cost figure" in reason
 
 
 def test_no_recommendation_names_every_reason() -> None:
@@ -175,7 +192,7 @@ def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path
 
 def test_shipped_campaigns_load_and_bad_ones_name_the_field(tmp_path: Path) -> None:
     default, quick = campaigns.load("default"), campaigns.load("quick")
-    assert default.workloads == ("chat", "prefix") and default.plan.context == 2048
+    assert default.workloads == ("chat", "prefix", "capacity") and default.plan.context == 2048
     assert set(quick.recipes) <= set(default.recipes or quick.recipes)
     bad = tmp_path / "bad.yaml"
     bad.write_text("recipes: [fp8]\nworkload: [chat]\n")

@@ -16,6 +16,7 @@ from pipeline.core import paths, tracking
 from pipeline.core.artifacts import Manifest
 from pipeline.core.errors import OutputError, RecipeError
 from pipeline.plan import capacity
+from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
 from pipeline.quantize import stage as quantize
@@ -24,11 +25,13 @@ from .conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
-EXPECTED = {  # recipe -> (compressed-tensors format, upper bound of quantized/bf16 layer bytes)
-    "fp8": ("float-quantized", 0.51),
-    "int4": ("pack-quantized", 0.28),
-    "int8": ("int-quantized", 0.51),
-    "mxfp4": ("mxfp4-pack-quantized", 0.28),
+EXPECTED = {  # recipe -> (compressed-tensors format, upper bound of quantized/bf16 layer bytes,
+    # the planner's weight precision, the KV cache the checkpoint asks vLLM for)
+    "fp8": ("float-quantized", 0.51, "fp8", None),
+    "int4": ("pack-quantized", 0.28, "int4", None),
+    "int8": ("int-quantized", 0.51, "int8", None),
+    "int8-fp8kv": ("int-quantized", 0.51, "int8", "fp8"),
+    "mxfp4": ("mxfp4-pack-quantized", 0.28, "mxfp4", None),
 }
 
 
@@ -54,10 +57,11 @@ def test_every_recipe_quantizes_reloads_and_generates(
     base = baselines.resolve(str(tiny_model))
     manifest = quantize.quantize(base, _quick(name))
     out = paths.variant_dir(base.name, name)
-    fmt, bound = EXPECTED[name]
+    fmt, bound, precision, kv_dtype = EXPECTED[name]
 
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == fmt
+    assert checkpoint_kv_dtype(config) == kv_dtype
     assert manifest.format == fmt
     assert manifest.quantized_layers == 14  # 2 layers x 7 linears; lm_head stays bf16
     assert manifest.quantized_layer_bytes_ratio <= bound
@@ -69,7 +73,7 @@ def test_every_recipe_quantizes_reloads_and_generates(
     # The capacity planner predicts these bytes from config.json alone (issue: within 3%).
     arch = capacity.parse_architecture(config)
     planned = capacity.estimate_weights(
-        arch, name, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
+        arch, precision, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
     assert abs(planned - manifest.weight_bytes) <= 0.03 * manifest.weight_bytes
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

@@ -87,3 +87,58 @@ def test_each_point_gets_enough_work_and_the_prefix_share_is_what_blocks_allow(
                     "output_len: 4\n")
     with pytest.raises(ConfigError, match="compare_prefix_caching: true"):
         workloads.load(str(path))
+
+
+CUSTOM = "dataset: custom\nprompts: p.jsonl\nload_points: [1, 2]\n"
+
+
+def test_a_prompt_file_workload_replays_the_users_requests(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hi there", "output_tokens": 12}\n\n'
+                                      '{"prompt": "Summarize: ...", "output_tokens": 40}\n')
+    (tmp_path / "w.yaml").write_text(CUSTOM)
+    w = workloads.load(str(tmp_path / "w.yaml"))
+    assert w.prompts == str(tmp_path / "p.jsonl") and len(w.prompts_sha256) == 64
+    assert w.max_tokens_per_request == 40  # the longest output; the client counts prompts
+    args = w.client_args(2, repeat=1)
+    assert args[args.index("--dataset-name") + 1] == "custom"
+    assert args[args.index("--dataset-path") + 1] == w.prompts
+    assert args[args.index("--custom-output-len") + 1] == "-1"  # each request's own length
+    assert "--save-detailed" in args  # the lengths sent, for the report
+    (tmp_path / "w.yaml").write_text(CUSTOM + "output_len: 8\n")
+    args = workloads.load(str(tmp_path / "w.yaml")).client_args(2)
+    assert args[args.index("--custom-output-len") + 1] == "8"
+
+
+@pytest.mark.parametrize("lines, line, message", [
+    ('{"prompt": "ok", "output_tokens": 3}\n{"prompt": "no closing"\n', 2, "not JSON"),
+    ('{"prompt": "ok", "output_tokens": 3}\n{"text": "x", "output_tokens": 3}\n', 2, '"prompt"'),
+    ('{"prompt": "", "output_tokens": 3}\n', 1, '"prompt"'),
+    ('{"prompt": "ok"}\n', 1, "output_tokens"),
+    ('{"prompt": "ok", "output_tokens": -4}\n', 1, "positive integer"),
+    ('["prompt", "ok"]\n', 1, '"prompt"'),
+])
+def test_a_malformed_prompt_file_names_the_line(tmp_path: Path, lines: str, line: int,
+                                                message: str) -> None:
+    (tmp_path / "p.jsonl").write_text(lines)
+    (tmp_path / "w.yaml").write_text(CUSTOM)
+    with pytest.raises(ConfigError, match=message) as err:
+        workloads.load(str(tmp_path / "w.yaml"))
+    assert f"{tmp_path / 'p.jsonl'}, line {line}:" in str(err.value)
+
+
+def test_a_missing_or_empty_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "w.yaml").write_text(CUSTOM)
+    with pytest.raises(ConfigError, match="cannot read the prompt file"):
+        workloads.load(str(tmp_path / "w.yaml"))
+    (tmp_path / "p.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="no request"):
+        workloads.load(str(tmp_path / "w.yaml"))
+    (tmp_path / "w.yaml").write_text("dataset: custom\nload_points: [1]\n")
+    with pytest.raises(ConfigError, match="names its prompt file"):
+        workloads.load(str(tmp_path / "w.yaml"))
+
+
+def test_the_shipped_sample_traffic_loads() -> None:
+    w = workloads.load("traffic")
+    assert w.dataset == "custom" and Path(w.prompts).name == "sample-prompts.jsonl"
+    assert 20 <= len(Path(w.prompts).read_text().splitlines()) <= 200

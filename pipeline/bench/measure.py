@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.client import BenchClient, run_client
+from pipeline.bench.slo import CapacitySearch
 from pipeline.bench.workloads import Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
 from pipeline.core.provenance import vllm_version
 from pipeline.core.variant import Variant
 from pipeline.plan import capacity
+from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.serve import (
     EngineSettings,
     ServeError,
@@ -37,6 +39,7 @@ from pipeline.serve import (
 from pipeline.serve.server import describe_command
 
 log = qlog.get("bench")
+PREEMPTIONS = "preemptions"  # added to each client result: the engine's, over that run
 HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
 
 
@@ -55,6 +58,8 @@ class ModelRecord:
     runs: dict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
     # workload -> [queried tokens, hit tokens] of the prefix cache over its measured runs
     prefix_counters: dict[str, list[float]] = field(default_factory=dict)
+    # workload -> the capacity search's result (workloads with an slo)
+    searches: dict[str, dict[str, Any]] = field(default_factory=dict)
     serve_command: str = ""  # to reproduce by hand (README)
 
 
@@ -157,15 +162,16 @@ def _stop_unless_kept(server: VllmServer, pool: ServerPool | None) -> None:
         server.stop()
 
 
-def kv_dtype(settings: EngineSettings) -> str:
-    """The KV-cache dtype the engine was asked for (``--kv-cache-dtype`` through VLLM_ARGS)."""
+def kv_dtype(settings: EngineSettings, config: dict[str, Any] | None = None) -> str:
+    """The KV-cache dtype the engine uses: ``--kv-cache-dtype`` (through VLLM_ARGS) if given,
+    else the checkpoint's ``kv_cache_scheme`` (vLLM honours it when the flag is "auto")."""
     args = list(settings.extra_args)
     for i, arg in enumerate(args):
         value = arg.split("=", 1)[1] if arg.startswith("--kv-cache-dtype=") else (
             args[i + 1] if arg == "--kv-cache-dtype" and i + 1 < len(args) else None)
-        if value is not None:
+        if value is not None and value != "auto":
             return "fp8" if value.startswith("fp8") else "bf16"
-    return "bf16"
+    return checkpoint_kv_dtype(config or {}) or "bf16"
 
 
 def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSettings) -> None:
@@ -183,6 +189,8 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
                                         server.log_text())
     if info is None:
         return
+    config = json.loads((record.variant.path / "config.json").read_text())
+    record.engine["kv_cache_dtype"] = kv_dtype(settings, config)
     record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
                  tracking.MAX_CONCURRENCY: info.max_concurrency,
                  "kv_block_size": info.block_size, "kv_num_blocks": info.num_blocks}
@@ -197,10 +205,9 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         return
     record.engine["kv_budget_source"] = source
     record.kv[tracking.KV_CACHE_MEMORY_BYTES] = budget
-    config = json.loads((record.variant.path / "config.json").read_text())
     planned = capacity.predict_vllm_kv_cache(
         config, budget, block_size=info.block_size or (128 if server.target == "cpu" else 16),
-        kv_dtype=kv_dtype(settings), max_model_len=settings.max_model_len)
+        kv_dtype=kv_dtype(settings, config), max_model_len=settings.max_model_len)
     record.kv.update({
         capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
         capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
@@ -211,13 +218,14 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
 
 def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, ModelRecord],
             settings: EngineSettings, out: Path, logs: Path, caching: bool,
-            pool: ServerPool | None = None) -> None:
-    """Every step, the models of a group back to back (interleaved)."""
+            pool: ServerPool | None = None, searches: tuple[Workload, ...] = ()) -> None:
+    """Every step, the models of a group back to back (interleaved); then each capacity
+    search (``searches``: workloads with an slo), the models' runs interleaved too."""
     label = "cache-on" if caching else "cache-off"
     run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
     for group in groups:
         with servers(group, records, run_settings, logs, label, pool) as live:
-            if not live or not steps:
+            if not live or not (steps or searches):
                 continue
             for name, server in list(live.items()):
                 if not records[name].kv:
@@ -238,6 +246,44 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
                             _load_point(client, server, records[name], step, out / "runs")
                         except ServeError as err:
                             _drop(live, name, records, err, pool)
+                for workload in searches:
+                    search_capacity(client, live, records, workload, out / "runs", pool)
+
+
+def search_capacity(client: BenchClient, live: dict[str, VllmServer],
+                    records: dict[str, ModelRecord], workload: Workload, out: Path,
+                    pool: ServerPool | None = None) -> None:
+    """Each live model's capacity at the workload's objective, one run per model in turn."""
+    assert workload.slo is not None
+    searches = {name: CapacitySearch(workload.search_ceiling, workload.repeats,
+                                     workload.search_precision)
+                for name in live if workload.runs_on(name)}
+    log.info(f"{workload.name}: searching each model's highest concurrency with "
+             f"{workload.slo.describe()} (up to {workload.search_ceiling})")
+    progressed = True
+    while progressed:
+        progressed = False
+        for name, search in searches.items():
+            run = search.next_run() if name in live else None
+            if run is None:
+                continue
+            progressed = True
+            concurrency, repeat = run
+            step = Step(workload, workload.name, repeat, concurrency, caching=False)
+            try:
+                result = _load_point(client, live[name], records[name], step, out)
+            except ServeError as err:
+                _drop(live, name, records, err, pool)
+                continue
+            misses = workload.slo.misses(result)
+            search.record(concurrency, not misses)
+            log.info(f"{name}: {workload.name} concurrency {concurrency} repeat {repeat + 1}: "
+                     + ("meets the objective" if not misses else "misses: " + "; ".join(misses)))
+    for name, search in searches.items():
+        if name in live:
+            records[name].searches[workload.name] = search.result()
+            log.info(f"{name}: {workload.slo.describe()} up to concurrency "
+                     f"{search.result()['max_concurrency']}")
 
 
 def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord],
@@ -253,14 +299,19 @@ def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord
 
 
 def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, step: Step,
-                out: Path) -> None:
+                out: Path) -> dict[str, Any]:
     """One run; its prefix-cache counters are checked: a speed sweep must have no hit, and a
-    prefix comparison no hit beyond its shared prefix (else the figure is not what it says)."""
-    before = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    prefix comparison no hit beyond its shared prefix (else the figure is not what it says).
+    The engine's preemptions over the run are added to the result (a full KV cache)."""
+    samples = engine_metrics.parse(server.metrics_text())
+    before = engine_metrics.prefix_cache_counters(samples)
+    preempted = engine_metrics.preemptions(samples)
     name = record.variant.name
     result = run_client(client, server, record.variant, step.workload, step.concurrency, out,
                         f"{name}-{step.key}-c{step.concurrency}-r{step.repeat}", step.repeat)
-    after = engine_metrics.prefix_cache_counters(engine_metrics.parse(server.metrics_text()))
+    samples = engine_metrics.parse(server.metrics_text())
+    after = engine_metrics.prefix_cache_counters(samples)
+    result[PREEMPTIONS] = engine_metrics.preemptions(samples) - preempted
     queries, hits = after[0] - before[0], after[1] - before[1]
     rate = hits / queries if queries else 0.0
     expected = step.workload.expected_prefix_hit_rate(
@@ -277,3 +328,4 @@ def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, st
     counters = record.prefix_counters.setdefault(step.key, [0.0, 0.0])
     counters[0] += queries
     counters[1] += hits
+    return result

@@ -7,7 +7,7 @@ from pydantic import Field
 from pipeline.core.settings import StageSettings, baseline_field, force_field, recipes_field
 from pipeline.serve.settings import EngineSettings
 
-DEFAULT_WORKLOADS = ("chat", "prefix")
+DEFAULT_WORKLOADS = ("chat", "prefix", "capacity")
 
 
 class BenchSettings(StageSettings):
@@ -19,6 +19,12 @@ class BenchSettings(StageSettings):
         json_schema_extra={"flag": "--workload", "make": "WORKLOAD"})
     repeats: int | None = Field(None, description="override every workload's repeats",
                                 json_schema_extra={"make": "REPEATS"})
+    slo_ttft_ms: float | None = Field(
+        None, gt=0, description="TTFT p99 bound (ms) of the capacity search's objective "
+        "(default: the workload's slo)", json_schema_extra={"make": "SLO_TTFT_MS"})
+    slo_itl_ms: float | None = Field(
+        None, gt=0, description="ITL p99 bound (ms) of the capacity search's objective",
+        json_schema_extra={"make": "SLO_ITL_MS"})
     force: bool = force_field("measure again")
     engine: EngineSettings = Field(default_factory=EngineSettings,
                                    json_schema_extra={"nested": True})

@@ -35,7 +35,8 @@ log = qlog.get("bench")
 def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSettings,
               target: str) -> str:
     payload = {"models": [(m.recipe, m.identity) for m in models],
-               "workloads": [{**dataclasses.asdict(w), "path": w.name} for w in loads],
+               "workloads": [{**dataclasses.asdict(w), "path": w.name,
+                              "prompts": w.prompts_sha256} for w in loads],
                "engine": settings.model_dump(), "target": target, "vllm": vllm_version(),
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
@@ -94,9 +95,11 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     # Server logs live outside the temp dir: a failed run's logs stay where errors point.
     logs = out.parent / "logs" / key
     cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
+    searches = tuple(w for w in loads if w.slo is not None)
     with atomic_dir(out) as tmp:
-        measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)]), cold,
-                records, settings, tmp, logs, caching=False, pool=pool)
+        measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)
+                        or any(w.runs_on(m.name) for w in searches)]), cold,
+                records, settings, tmp, logs, caching=False, pool=pool, searches=searches)
         measure(groups([m for m in models if any(s.runs_on(m.name) for s in warm)]), warm,
                 records, settings, tmp, logs, caching=True)
         summary = BenchSummary(
@@ -115,6 +118,8 @@ def run(settings: BenchSettings, pool: ServerPool | None = None) -> BenchSummary
     loads = [workloads_mod.load(w) for w in settings.workloads]
     if settings.repeats:
         loads = [dataclasses.replace(w, repeats=settings.repeats) for w in loads]
+    loads = [workloads_mod.with_objective(w, ttft=settings.slo_ttft_ms, itl=settings.slo_itl_ms)
+             for w in loads]
     return bench(baselines.resolve(settings.baseline), list(settings.recipes) or None, loads,
                  settings.engine, settings.force, pool=pool)
 

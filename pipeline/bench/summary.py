@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from pipeline.bench.measure import ModelRecord
+from pipeline.bench.slo import Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, ModelBench, WorkloadFigures
@@ -28,6 +29,8 @@ CLIENT_METRICS = {
     "median_itl_ms": tracking.ITL_MS_P50,
     "p99_itl_ms": tracking.ITL_MS_P99,
     "median_e2el_ms": tracking.E2E_MS_P50,
+    "request_goodput": tracking.GOODPUT,
+    "preemptions": tracking.PREEMPTIONS,
 }
 
 
@@ -43,12 +46,23 @@ def _spread(values: list[float]) -> dict[str, float]:
             "_rel_spread": (max(values) - min(values)) / mid if mid else 0.0}
 
 
+def _percentile_metrics(results: list[dict]) -> dict[str, str]:
+    """Every latency percentile the client reported (``p99_tpot_ms`` -> ``tpot_ms_p99``)."""
+    found = {}
+    for key in (results[0] if results else {}):
+        head, _, rest = key.partition("_")
+        if head[:1] == "p" and head[1:].isdigit() and rest.endswith("_ms"):
+            metric = rest[:-3].replace("e2el", "e2e")
+            found[key] = f"{metric}_ms_{head}"
+    return found
+
+
 def _point(results: list[dict], base_runs: list[dict]) -> dict[str, float]:
     """The figures of one load point; speedup: the median of the per-repeat ratios (each
     repeat's variant run over the baseline's run of the same prompts), with their min and max
     as its spread (one estimator for both)."""
     stats: dict[str, float] = {}
-    for src, metric in CLIENT_METRICS.items():
+    for src, metric in {**CLIENT_METRICS, **_percentile_metrics(results)}.items():
         values = [r[src] for r in results if r.get(src) is not None]
         if values:  # how well the repeats agree: throughput's relative spread
             stats.update({f"{metric}{k}": v for k, v in _spread(values).items()
@@ -82,6 +96,14 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
                 prefix_cache_expected_hit_rate=expected)
+        for key, data in figures.items():
+            if key in by_name and by_name[key].dataset == "custom":
+                data.lengths = length_distribution(
+                    [r for runs in record.runs[key].values() for r in runs])
+        for key, found in record.searches.items():
+            if key in figures and by_name[key].slo is not None:
+                figures[key].capacity = capacity_figures(found, figures[key].points,
+                                                         by_name[key], record.kv)
         for workload in loads:  # what prefix reuse buys: TTFT with caching off over on
             on = figures.get(workload.name)
             off = figures.get(f"{workload.name}_nocache")
@@ -96,6 +118,70 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                                engine=record.engine, peak_memory_bytes=record.peak_memory_bytes,
                                workloads=figures)
     return out
+
+
+def length_distribution(results: list[dict]) -> dict[str, float] | None:
+    """Requests sent and their prompt and output lengths in tokens (the client's own counts,
+    kept by ``--save-detailed``), over every run of a workload."""
+    inputs = [n for r in results for n in r.get("input_lens") or []]
+    outputs = [n for r in results for n in r.get("output_lens") or []]
+    if not inputs:
+        return None
+    out: dict[str, float] = {"requests": len(inputs)}
+    for name, values in (("input_tokens", sorted(inputs)), ("output_tokens", sorted(outputs))):
+        if values:
+            out.update({f"{name}_p50": statistics.median(values),
+                        f"{name}_p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+                        f"{name}_max": values[-1]})
+    return out
+
+
+def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
+                     kv: dict[str, float]) -> dict:
+    """A search's result, the medians at the capacity found, and what limits it."""
+    slo = workload.slo
+    assert slo is not None
+    best = found["max_concurrency"]
+    at = points.get(best, {})
+    out = {"objective": slo.describe(), **found, tracking.SLO_MAX_CONCURRENCY: best,
+           "bounds": {_latency_key(m, slo.percentile): v for m, v in slo.bounds().items()},
+           "points": {str(c): meets for c, meets in found["points"].items()}}
+    for metric, name in ((tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S),
+                         (tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
+                         (tracking.GOODPUT, tracking.SLO_GOODPUT)):
+        for suffix in ("", "_min", "_max"):
+            if metric + suffix in at:
+                out[name + suffix] = at[metric + suffix]
+    out["limited_by"] = limited_by(found, points, workload, kv, slo)
+    return out
+
+
+def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workload,
+               kv: dict[str, float], slo: Objective) -> str:
+    """Why the capacity is what it is: the search's ceiling, the KV cache, or latency."""
+    if found["censored"]:
+        return (f"the search ceiling: it still meets the objective at {found['ceiling']} "
+                "(raise search_ceiling)")
+    miss = found.get("first_miss")
+    at_miss = points.get(miss, {}) if miss else {}
+    block = int(kv.get("kv_block_size") or 1)
+    tokens = int(kv.get(tracking.KV_CACHE_TOKENS) or 0)
+    per_request = -(-workload.max_tokens_per_request // block) * block
+    holds = tokens // per_request if tokens else None
+    if at_miss.get(tracking.PREEMPTIONS, 0) > 0 or (holds is not None and miss and holds < miss):
+        return (f"the KV cache: it holds {holds if holds is not None else '?'} requests of up "
+                f"to {workload.max_tokens_per_request} tokens; "
+                f"{at_miss.get(tracking.PREEMPTIONS, 0):.0f} preemptions at concurrency {miss}")
+    parts = [f"{m.upper()} p{slo.percentile} {at_miss[key]:.0f} ms"
+             for m in slo.bounds() if (key := _latency_key(m, slo.percentile)) in at_miss]
+    return (f"latency (compute), not the KV cache: at concurrency {miss} "
+            + (", ".join(parts) if parts else "the objective is missed")
+            + (f"; the KV cache holds {holds} such requests" if holds is not None else ""))
+
+
+def _latency_key(metric: str, percentile: int) -> str:
+    """The point figure holding a latency percentile (``ttft_ms_p99``, ``e2e_ms_p99``)."""
+    return f"{metric.replace('e2el', 'e2e')}_ms_p{percentile}"
 
 
 def metric_prefix(workload: Workload, loads: list[Workload]) -> str:
@@ -121,6 +207,12 @@ def _metrics(entry: ModelBench, loads: list[Workload]
             # the hit counters of every measured run: 0 in a sweep, the prefix's share in a
             # prefix comparison
             metrics.update({f"{prefix}{suffix}{k}": v for k, v in data.counters().items()})
+            if data.capacity is not None:
+                first = workload is next(w for w in loads if w.slo is not None)
+                metrics.update({(k if first else f"{workload.name}.{k}"): float(v)
+                                for k, v in data.capacity.items()
+                                if k.startswith("slo_")
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
     metrics.update({k: float(v) for k, v in entry.kv.items()})
     if entry.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
         metrics[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = entry.engine[

@@ -39,9 +39,54 @@ def _line(name: str, entry: ModelBench, workload: Workload) -> str | None:
             f"{stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} {data.prefix_cache_hit_rate:>10.1%}")
 
 
+def lengths_text(lengths: dict[str, float]) -> str:
+    """A prompt file's requests as sent, in one phrase."""
+    return (f"{lengths['requests']:.0f} over all runs; prompt tokens p50 "
+            f"{lengths['input_tokens_p50']:.0f} / p90 {lengths['input_tokens_p90']:.0f} / max "
+            f"{lengths['input_tokens_max']:.0f}; output tokens p50 "
+            f"{lengths.get('output_tokens_p50', 0):.0f} / p90 "
+            f"{lengths.get('output_tokens_p90', 0):.0f} / max "
+            f"{lengths.get('output_tokens_max', 0):.0f}")
+
+
+def capacity_text(capacity: dict) -> str:
+    """One model's capacity at the objective, as one line of text."""
+    best = capacity[tracking.SLO_MAX_CONCURRENCY]
+    if best == 0:
+        return f"misses the objective even at concurrency 1 ({capacity['limited_by']})"
+    at_least = "at least " if capacity.get("censored") else ""
+    tps = capacity.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
+    text = f"{at_least}{best} concurrent requests"
+    if tps is not None:
+        text += (f": {capacity[tracking.SLO_REQUESTS_PER_S]:.2f} req/s, {tps:.1f} out tok/s "
+                 f"[{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
+                 f"{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
+    return f"{text}; limited by {capacity['limited_by']}"
+
+
+def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
+    assert workload.slo is not None
+    lines = [f"\n{workload.name}: the highest max concurrency with {workload.slo.describe()} "
+             f"(searched 1, 2, 4, ... up to {workload.search_ceiling}, then bisected; a point "
+             f"meets it when most of its {workload.repeats} repeats do; cold, distinct prompts)"]
+    for name, entry in summary.models.items():
+        data = entry.workloads.get(workload.name)
+        if entry.status != "ok" or data is None or data.capacity is None:
+            if entry.status != "ok":
+                lines.append(f"  {name:10s} not measured ({entry.status}: {entry.reason})")
+            continue
+        visited = ", ".join(f"{c}:{'met' if sum(v) > len(v) / 2 else 'missed'}"
+                            for c, v in data.capacity["points"].items())
+        lines.append(f"  {name:10s} {capacity_text(data.capacity)}\n  {'':10s} points: {visited}")
+    return lines
+
+
 def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
     lines = []
     for workload in loads:
+        if workload.slo is not None:
+            lines += _capacity_lines(summary, workload)
+            continue
         head = workload.headline
         caching = "prefix caching on vs off" if workload.compare_prefix_caching else \
             "prefix caching off: cold, distinct prompts"
@@ -53,6 +98,10 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
                      f"{'cache hits':>10s}")
         lines += [line for name, entry in summary.models.items() if workload.runs_on(name)
                   if (line := _line(name, entry, workload)) is not None]
+        base = summary.models.get("baseline")
+        lengths = base.workloads.get(workload.name) if base is not None else None
+        if lengths is not None and lengths.lengths:
+            lines.append(f"  requests sent: {lengths_text(lengths.lengths)}")
         for name, entry in summary.models.items():
             data = entry.workloads.get(workload.name)
             if data is not None and data.prefix_cache_ttft_speedup is not None:

@@ -13,23 +13,29 @@ another's work, and the engine's hit counters, logged for every run, prove it (a
 hits is an error, not a figure). Prefix reuse is measured on purpose by the workloads that
 compare caching on and off (``compare_prefix_caching``), whose prompts share a prefix and
 nothing else: distinct suffixes, and a hit rate checked against the share the prefix can give.
+
+A workload with an ``slo`` (a latency objective, :mod:`pipeline.bench.slo`) has no fixed load
+points: each model's capacity at the objective is searched for (``search_ceiling`` bounds it).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
+from pipeline.bench import prompt_file
+from pipeline.bench.slo import Objective
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 
-DATASETS = ("random", "prefix_repetition")
+DATASETS = ("random", "prefix_repetition", "custom")
 PERCENTILES = "50,99"
 
 
@@ -61,6 +67,11 @@ class Workload:
     models: str = "all"
     # with caching off, every model it runs on or only the baseline (a restart each)
     prefix_off_models: str = "all"
+    prompts: str = ""  # custom: the prompt file (JSONL), resolved against the workload's folder
+    prompts_sha256: str = ""  # its content: part of a measurement's identity
+    slo: Objective | None = None  # a capacity search instead of fixed load points
+    search_ceiling: int = 32
+    search_precision: float = 0.25
 
     def runs_on(self, model_name: str) -> bool:
         return self.models == "all" or model_name == "baseline"
@@ -70,7 +81,8 @@ class Workload:
                                              or model_name == "baseline")
 
     def num_prompts(self, concurrency: int) -> int:
-        by_work = -(-self.min_output_tokens // self.output_len) if self.min_output_tokens else 0
+        by_work = (-(-self.min_output_tokens // self.output_len)
+                   if self.min_output_tokens and self.output_len else 0)
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
 
     def seed_for(self, concurrency: int, repeat: int) -> int:
@@ -92,24 +104,39 @@ class Workload:
 
     @property
     def max_tokens_per_request(self) -> int:
-        """Longest prompt + output this workload sends (the engine's max_model_len must fit)."""
+        """Longest prompt + output this workload sends (the engine's max_model_len must fit);
+        for a prompt file, its longest output (its prompts are counted by the client)."""
+        if self.dataset == "custom":
+            return self.output_len or prompt_file.longest_output(Path(self.prompts))
         if self.dataset == "random":
             return int(self.input_len * (1 + self.range_ratio)) + int(
                 self.output_len * (1 + self.range_ratio)) + 1
         return self.prefix_len + self.suffix_len + self.output_len
+
+    def percentiles(self) -> str:
+        extra = [str(self.slo.percentile)] if self.slo is not None else []
+        return ",".join(sorted({*PERCENTILES.split(","), *extra}, key=int))
 
     def client_args(self, concurrency: int, repeat: int = 0) -> list[str]:
         """Arguments of ``vllm bench serve`` that describe this load point and repeat."""
         args = ["--dataset-name", self.dataset, "--num-prompts", str(self.num_prompts(concurrency)),
                 "--max-concurrency", str(concurrency), "--request-rate", "inf",
                 "--seed", str(self.seed_for(concurrency, repeat)), "--ignore-eos",
-                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES]
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+                self.percentiles()]
+        if self.slo is not None:
+            args += self.slo.goodput_args()
         if not self.compare_prefix_caching:
             # one batch of the first prompt before the timed run: kernels and batch shapes are
             # warm (the first repeat ran up to 1.5x slower without). Not for prefix
             # comparisons: a warm-up would cache a whole prompt that the run then re-sends.
             args += ["--num-warmups", str(concurrency)]
-        if self.dataset == "random":
+        if self.dataset == "custom":
+            # the prompts as the user sent them, through the model's chat template; their own
+            # output_tokens unless output_len is set; every request's lengths kept (report)
+            args += ["--dataset-path", self.prompts,
+                     "--custom-output-len", str(self.output_len or -1), "--save-detailed"]
+        elif self.dataset == "random":
             args += ["--random-input-len", str(self.input_len),
                      "--random-output-len", str(self.output_len),
                      "--random-range-ratio", str(self.range_ratio)]
@@ -125,9 +152,10 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "repeats": int, "seed": int, "prompts_per_concurrency": int, "min_prompts": int,
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
-          "models": str, "prefix_off_models": str, "min_output_tokens": int}
+          "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
+          "search_ceiling": int, "search_precision": (int, float), "prompts": str}
 REQUIRED = {"random": ("input_len", "output_len"),
-            "prefix_repetition": ("prefix_len", "suffix_len", "output_len")}
+            "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": ()}
 
 
 def find(name_or_path: str) -> Path:
@@ -162,24 +190,64 @@ def load(name_or_path: str) -> Workload:
     for key in REQUIRED[dataset]:
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise ConfigError(f"{path}: {dataset} needs a positive integer {key!r}.")
-    points = data.get("load_points", [1])
-    if not points or not all(isinstance(p, int) and p > 0 for p in points):
+    if dataset == "custom":
+        if not data.get("prompts"):
+            raise ConfigError(f"{path}: a custom workload names its prompt file: prompts: "
+                              "FILE.jsonl (one {\"prompt\": ..., \"output_tokens\": N} per "
+                              "line; docs/workloads.md).")
+        prompts = prompt_file.check((path.parent / data["prompts"]).resolve(),
+                                    needs_output=not data.get("output_len"))
+        data = {**data, "prompts": str(prompts),
+                "prompts_sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+    slo = _objective(path, data)
+    if slo is not None and ("load_points" in data or "headline" in data):
+        raise ConfigError(f"{path}: a workload with an slo searches for its load points: remove "
+                          "load_points and headline (search_ceiling bounds the search).")
+    points = data.get("load_points", [] if slo is not None else [1])
+    if slo is None and (not points or not all(isinstance(p, int) and p > 0 for p in points)):
         raise ConfigError(f"{path}: load_points must be positive integers (max concurrency).")
-    headline = data.get("headline", points[0])
-    if headline not in points:
+    headline = data.get("headline", points[0] if points else 0)
+    if points and headline not in points:
         raise ConfigError(f"{path}: headline {headline} is not one of the load_points {points}.")
     for key in ("models", "prefix_off_models"):
         if data.get(key, "all") not in ("all", "baseline"):
             raise ConfigError(f"{path}: {key} is 'all' or 'baseline', not {data[key]!r}.")
+    if data.get("search_ceiling", 1) < 1 or not 0 < data.get("search_precision", 0.25) < 1:
+        raise ConfigError(f"{path}: search_ceiling is a positive concurrency and "
+                          "search_precision a share between 0 and 1.")
     values: dict[str, Any] = {k: v for k, v in data.items() if k not in ("load_points",)}
-    values.update(load_points=tuple(points), headline=headline, dataset=dataset,
+    values.setdefault("output_len", 0)  # custom: each prompt's own output_tokens
+    values.update(load_points=tuple(points), headline=headline, dataset=dataset, slo=slo,
                   description=str(data.get("description", "")),
                   repeats=max(1, int(data.get("repeats", 3))), seed=int(data.get("seed", 0)),
                   prompts_per_concurrency=int(data.get("prompts_per_concurrency", 4)),
                   min_prompts=int(data.get("min_prompts", 8)),
                   min_output_tokens=int(data.get("min_output_tokens", 0)))
+    if slo is not None and values.get("compare_prefix_caching"):
+        raise ConfigError(f"{path}: a capacity search (slo) runs cold; it cannot also compare "
+                          "prefix caching (make it two workloads).")
     if dataset == "prefix_repetition" and not values.get("compare_prefix_caching"):
         raise ConfigError(f"{path}: a prefix_repetition workload measures prefix reuse: set "
                           "compare_prefix_caching: true (speed sweeps run with caching off).")
     return Workload(name=path.stem, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
                     **values)
+
+
+def _objective(path: Path, data: dict[str, Any]) -> Objective | None:
+    if "slo" not in data:
+        return None
+    try:
+        return Objective.model_validate(data["slo"])
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in ("slo", *first["loc"]))
+        raise ConfigError(f"{path}: field {where!r}: {first['msg']}. An slo is a mapping of "
+                          f"{', '.join(Objective.model_fields)}.") from None
+
+
+def with_objective(workload: Workload, **bounds: float | None) -> Workload:
+    """The workload with its objective's bounds replaced where given (SLO_TTFT_MS= ...)."""
+    given = {f"{k}_ms": v for k, v in bounds.items() if v is not None}
+    if workload.slo is None or not given:
+        return workload
+    return replace(workload, slo=workload.slo.model_copy(update=given))

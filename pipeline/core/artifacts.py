@@ -131,10 +131,15 @@ class WorkloadFigures(BaseModel):
     prefix_cache_query_tokens: float = 0.0
     prefix_cache_expected_hit_rate: float | None = None
     prefix_cache_ttft_speedup: float | None = None
+    # a capacity search (workload with an slo): its objective, result and the figures at it
+    capacity: dict[str, Any] | None = None
+    # a prompt file's requests as sent: their count and token lengths (p50, p90, max)
+    lengths: dict[str, float] | None = None
 
     def counters(self) -> dict[str, float]:
         """The cache figures, under their metric names."""
-        return {k: v for k, v in self.model_dump(exclude={"points"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"points", "capacity", "lengths"}
+                                                 ).items() if v is not None}
 
 
 class ModelBench(BaseModel):
@@ -251,6 +256,19 @@ class PlanTarget(BaseModel):
     memory_gb: float | None = None
 
 
+class CostTarget(BaseModel):
+    """What cost figures are computed for: the hourly price of the machine the speed was
+    measured on and a target load. ``price_per_hour: null`` takes that machine's accelerator
+    preset's price (``configs/accelerators``), or ``host_price_per_hour`` on a host without a
+    GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    price_per_hour: float | None = Field(None, gt=0)
+    host_price_per_hour: float = Field(0.10, gt=0)
+    target_users: int | None = Field(None, gt=0)  # concurrent users to serve
+    target_rps: float | None = Field(None, gt=0)  # requests per second to serve
+
+
 class Row(BaseModel):
     """Everything known about one model of a comparison."""
 
@@ -260,6 +278,7 @@ class Row(BaseModel):
     scheme: str
     format: str
     precision: str
+    kv_dtype: str = "bf16"  # the KV cache the checkpoint asks for (its kv_cache_scheme)
     weight_bytes: int
     weight_ratio: float  # weight bytes / the baseline's
     quantize_seconds: float | None = None
@@ -269,6 +288,9 @@ class Row(BaseModel):
     serving_log: str = ""
     headline: dict[str, float] = Field(default_factory=dict)  # bench stats at the headline
     sweep: dict[int, dict[str, float]] = Field(default_factory=dict)  # load point -> stats
+    crossover: str = ""  # where the speedup crosses 1 across the sweep, as a sentence
+    capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective
+    cost: dict[str, Any] = Field(default_factory=dict)  # per million tokens, machines needed
     kv: dict[str, float] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
     peak_memory_bytes: int = 0
@@ -315,6 +337,9 @@ class Comparison(Artifact):
     workload: str
     load_point: int | None
     plan_target: PlanTarget
+    cost_target: CostTarget = Field(default_factory=CostTarget)
+    price: dict[str, Any] = Field(default_factory=dict)  # price_per_hour and where it is from
+    traffic: dict[str, dict[str, float]] = Field(default_factory=dict)  # prompt-file lengths
     recommendation: str | None
     reason: str
     sources: dict[str, str] = Field(default_factory=dict)

@@ -9,12 +9,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from pipeline.core import paths
-from pipeline.core.artifacts import PlanTarget
+from pipeline.core.artifacts import CostTarget, PlanTarget
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import from_yaml
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
-OBJECTIVES = ("speed", "memory", "capacity")
+OBJECTIVES = ("speed", "memory", "capacity", "cost")
+ObjectiveName = Literal["speed", "memory", "capacity", "cost"]
 
 
 class CampaignFile(BaseModel):
@@ -30,8 +31,9 @@ class CampaignFile(BaseModel):
     limit: PositiveInt | Literal["all"] | None = None  # None: each task's qpipe_limit
     backend: Literal["auto", "served", "hf"] = "auto"
     divergence: bool = True
-    objective: Literal["speed", "memory", "capacity"] = "speed"
+    objective: ObjectiveName = "speed"
     plan: PlanTarget = Field(default_factory=PlanTarget)
+    cost: CostTarget = Field(default_factory=CostTarget)
 
 
 def load(name_or_path: str) -> CampaignFile:

@@ -1,7 +1,8 @@
 """Accelerator presets: ``configs/accelerators/NAME.yaml``, one file per device.
 
 Each file gives ``name``, ``description``, the memory the runtime sees (``memory_gib``, in
-2^30 bytes, or ``memory_bytes``) and the engine's KV ``block_size``.
+2^30 bytes, or ``memory_bytes``), the engine's KV ``block_size`` and, for cost figures, an
+hourly ``price_per_hour`` (USD; an example figure with its date: set the price you pay).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Accelerator:
     description: str
     memory_bytes: int
     block_size: int = 16
+    price_per_hour: float | None = None  # USD per device-hour; the file says where it is from
 
 
 def _load(path: Path) -> Accelerator:
@@ -42,11 +44,17 @@ def _load(path: Path) -> Accelerator:
     block_size = int(data.get("block_size", 16))
     if memory <= 0 or block_size <= 0:
         raise PlanError(f"{path}: memory and block_size must be positive.")
+    price = data.get("price_per_hour")
+    if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
+                              or price <= 0):
+        raise PlanError(f"{path}: price_per_hour is a positive number (USD per hour), not "
+                        f"{price!r}.")
     return Accelerator(
         name=str(data.get("name", path.stem)),
         description=str(data.get("description", path.stem)),
         memory_bytes=memory,
         block_size=block_size,
+        price_per_hour=float(price) if price is not None else None,
     )
 
 

@@ -21,6 +21,7 @@ from pipeline.core.artifacts import (
     SERVED,
     BenchSummary,
     Comparison,
+    CostTarget,
     EvalFailure,
     ModelBench,
     PlanTarget,
@@ -36,7 +37,9 @@ from pipeline.eval import gate
 from pipeline.plan import capacity
 from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.plan.accelerators import get_accelerator
+from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.quantize import checkpoint
+from pipeline.report import cost, crossover
 from pipeline.report.recommend import OBJECTIVES, recommend
 
 DEFAULT_PLAN_GPU = "h100-80gb"  # where the planner places variants on a host without a GPU
@@ -77,13 +80,14 @@ def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, 
         f"planned for {DEFAULT_PLAN_GPU}: {gpu.name} has no preset and reports no memory")
 
 
-def plan_settings(target: PlanTarget, precision: str, group_size: int) -> capacity.PlanSettings:
+def plan_settings(target: PlanTarget, precision: str, group_size: int,
+                  kv_dtype: str = "bf16") -> capacity.PlanSettings:
     if target.memory_gb is not None:
         memory, block = int(target.memory_gb * 1e9), 16
     else:
         preset = get_accelerator(target.gpu)
         memory, block = preset.memory_bytes, preset.block_size
-    return capacity.PlanSettings(weights=precision, context=target.context,
+    return capacity.PlanSettings(weights=precision, kv_dtype=kv_dtype, context=target.context,
                                  max_context=target.max_context, memory_bytes=memory,
                                  block_size=block, int4_group_size=group_size)
 
@@ -92,7 +96,8 @@ def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget) -> None:
     _, _, tail = row.scheme.rpartition("-G")
     group = int(tail) if tail.isdigit() else 128
     try:
-        plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group))
+        plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group,
+                                                            row.kv_dtype))
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
         return
@@ -154,13 +159,36 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
     if head is None and row.sweep:
         head = sorted(row.sweep)[len(row.sweep) // 2]
     row.headline = row.sweep.get(head, {}) if head is not None else {}
+    if row.name != BASELINE:
+        row.crossover = crossover.sentence(row.sweep)
     for name in workloads[1:]:
         other = entry.workloads.get(name)
+        if other is not None and other.capacity is not None and not row.capacity:
+            row.capacity = {**other.capacity, "curve": {
+                c: {k: st[k] for k in other.capacity.get("bounds", {}) if k in st}
+                for c, st in other.points.items()}}
         if other is not None and other.prefix_cache_ttft_speedup is not None:
             row.prefix = {k: v for k, v in other.counters().items()
                           if k in ("prefix_cache_hit_rate", "prefix_cache_expected_hit_rate",
                                    "prefix_cache_ttft_speedup")}
     return first, head or 0
+
+
+def price(target: CostTarget, prof: Profile) -> dict[str, Any]:
+    """The hourly price of the machine the speed is measured on, and where it comes from."""
+    if target.price_per_hour is not None:
+        return {"price_per_hour": target.price_per_hour, "source": "PRICE_PER_HOUR / the "
+                "campaign's cost.price_per_hour"}
+    gpu = prof.gpus[0] if prof.target == "cuda" and prof.gpus else None
+    preset = detect_accelerator(gpu.name, gpu.memory_mib) if gpu else None
+    if preset is not None and preset.price_per_hour:
+        count = len(prof.gpus)
+        return {"price_per_hour": preset.price_per_hour * count,
+                "source": f"{count} x {preset.name}'s price_per_hour (configs/accelerators; an "
+                          "example figure, set yours)"}
+    return {"price_per_hour": target.host_price_per_hour,
+            "source": "the campaign's cost.host_price_per_hour for this host (an example "
+                      "figure, set yours: PRICE_PER_HOUR=)"}
 
 
 # --- eval ---------------------------------------------------------------------------------------
@@ -193,6 +221,8 @@ def _rows(base: BaselineLike, recipes: list[str] | None) -> tuple[list[Row], dic
         rows.append(Row(name=name, recipe=name, scheme=manifest.recipe.scheme,
                         format=manifest.format,
                         precision=PRECISION_OF_FORMAT.get(manifest.format, "bf16"),
+                        kv_dtype=checkpoint_kv_dtype(json.loads(
+                            (variant_dir(base.name, name) / "config.json").read_text())) or "bf16",
                         weight_bytes=manifest.weight_bytes,
                         weight_ratio=manifest.weight_bytes / base_bytes,
                         quantize_seconds=manifest.quantize_seconds))
@@ -202,8 +232,8 @@ def _rows(base: BaselineLike, recipes: list[str] | None) -> tuple[list[Row], dic
 
 def collect(base: BaselineLike, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
-            failures: list[dict[str, str]] | None = None, objective: str = "speed"
-            ) -> Comparison:
+            failures: list[dict[str, str]] | None = None, objective: str = "speed",
+            cost_target: CostTarget | None = None) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
     campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows."""
     if objective not in OBJECTIVES:
@@ -216,8 +246,11 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     reference = reference_run(summaries, identities, hardware.profile().key())
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
+    traffic: dict[str, dict[str, float]] = {}
     if reference is not None:
         ref_path, ref = reference
+        traffic = {name: fig.lengths for name, fig in ref.models[BASELINE].workloads.items()
+                   if fig.lengths}
         measurement = {"run": measurement_label(ref_path, ref), "path": str(ref_path),
                        "hardware": ref.hardware.get("summary", "unknown"),
                        "pairing": ref.speedup_pairing}
@@ -256,8 +289,15 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
         elif evaluated is not None:
             _apply_eval(row, evaluated, base, identities[row.name])
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
+    cost_target = cost_target or CostTarget()
+    priced = price(cost_target, hardware.profile())
+    for row in rows:
+        if row.serving == "ok" and row.comparable:
+            row.cost = cost.figures(row, priced["price_per_hour"], cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
-                      plan_target=target, recommendation=best, reason=reason, sources=sources,
+                      plan_target=target, cost_target=cost_target, price=priced,
+                      traffic=traffic,
+                      recommendation=best, reason=reason, sources=sources,
                       failures=failed, hardware=measurement.get("hardware", ""),
                       measurement=measurement, objective=objective, plan_note=plan_note)

@@ -148,4 +148,34 @@ def plot_tasks(comparison: Comparison) -> tuple[str, str]:
     return "tasks", _svg(fig)
 
 
-PLOTS = (plot_pareto, plot_memory, plot_latency, plot_tasks)
+def plot_capacity(comparison: Comparison) -> tuple[str, str]:
+    """The capacity search: each bounded latency percentile against load, the objective drawn
+    as a line and each model's capacity marked."""
+    plt = _pyplot()
+    rows = [r for r in comparison.rows if r.serving == "ok" and r.capacity.get("curve")]
+    bounds = rows[0].capacity.get("bounds", {}) if rows else {}
+    fig, axes = plt.subplots(1, max(1, len(bounds)), figsize=(4 * max(1, len(bounds)), 3.2),
+                             squeeze=False)
+    for ax, (key, bound) in zip(axes[0], bounds.items(), strict=False):
+        for row in rows:
+            curve = {int(c): v for c, v in row.capacity["curve"].items() if key in v}
+            points = sorted(curve)
+            line = ax.plot(points, [curve[p][key] for p in points], marker="o",
+                           label=row.name)[0]
+            best = row.capacity.get("slo_max_concurrency")
+            if best in curve:
+                ax.scatter([best], [curve[best][key]], s=90, facecolors="none",
+                           edgecolors=line.get_color(), zorder=3)
+        ax.axhline(bound, color="#c44", lw=1, ls="--", label=f"objective {bound:g} ms")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency (circled: the capacity found)")
+        ax.set_ylabel(f"{key} (median of the repeats)")
+        ax.set_title(f"{key} against load")
+        ax.legend(fontsize=6)
+    if not rows:
+        axes[0][0].text(0.5, 0.5, "no capacity search measured (the capacity workload)",
+                        transform=axes[0][0].transAxes, ha="center")
+    return "capacity", _svg(fig)
+
+
+PLOTS = (plot_pareto, plot_memory, plot_latency, plot_capacity, plot_tasks)

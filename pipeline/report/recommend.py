@@ -8,6 +8,7 @@ from pipeline.core.campaigns import OBJECTIVES
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
 from pipeline.plan import capacity
+from pipeline.report.cost import USD_PER_MTOK
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
 OBJECTIVE_TEXT = {
@@ -16,6 +17,8 @@ OBJECTIVE_TEXT = {
     "memory": "the variant with the smallest weights that passes its gate",
     "capacity": "the variant that holds the most concurrent requests at the plan target and "
                 "passes its gate",
+    "cost": "the variant with the lowest cost per million output tokens at the latency "
+            "objective that passes its gate",
 }
 
 
@@ -42,6 +45,9 @@ def _why_not(row: Row, objective: str) -> str | None:
         return f"passes its gate but was not served here ({why})"
     if not row.comparable:
         return f"passes its gate but its speed is from another measurement ({row.measurement})"
+    if objective == "cost" and USD_PER_MTOK not in row.cost:
+        return ("passes its gate but has no cost figure: its capacity at the latency objective "
+                "was not measured or is 0 (the capacity workload)")
     if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_max", 0) < 1:
         return f"passes its gate but is slower than the baseline ({speed_text(row)})"
     if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_min", 0) <= 1:
@@ -71,6 +77,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         best = max(eligible, key=lambda r: r.speedup or 0.0)
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
+    elif objective == "cost":
+        best = min(eligible, key=lambda r: r.cost[USD_PER_MTOK])
     else:
         best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
                                             -r.weight_bytes))
@@ -80,6 +88,10 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     if best.plan:
         reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
                    "requests planned")
+    if USD_PER_MTOK in best.cost:
+        reason += (f", ${best.cost[USD_PER_MTOK]:.2f} per million output tokens at "
+                   f"{best.capacity[tracking.SLO_MAX_CONCURRENCY]} concurrent requests within the "
+                   "latency objective (measured)")
     reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%)"
     if best.eval_backend == EMULATED:
         reason += " [accuracy emulated]"

@@ -9,11 +9,13 @@ import io
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.table import lengths_text
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
+from pipeline.report.cost import USD_PER_MTOK
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -58,13 +60,36 @@ def _speed_cell(row: Row) -> str:
     return cell if row.comparable else f"{cell} (other run, not compared)"
 
 
+def _capacity_cell(row: Row) -> str:
+    cap = row.capacity
+    if row.serving != "ok" or not cap:
+        return "-"
+    best = cap[tracking.SLO_MAX_CONCURRENCY]
+    return ">= " + str(best) if cap.get("censored") else str(best)
+
+
+def _cost_cell(row: Row) -> str:
+    c = row.cost
+    if USD_PER_MTOK not in c:
+        return "-"
+    low, high = c.get(USD_PER_MTOK + "_min"), c.get(USD_PER_MTOK + "_max")
+    spread = f" [{low:.2f}-{high:.2f}]" if low is not None and high is not None else ""
+    return f"{c[USD_PER_MTOK]:.2f}{spread}"
+
+
+def _price_label(comparison: Comparison) -> str:
+    value = comparison.price.get("price_per_hour")
+    return f"${value:g}/h" if value is not None else "no price"
+
+
 def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and cells shared by the terminal and Markdown tables."""
     ctx = comparison.plan_target.context
     header = ["variant", "precision", "weights (x base)", "KV tokens (vLLM)",
               f"max conc. @{ctx} served", f"planned {_where(comparison)} paged/worst",
               "out tok/s [min-max]",
-              "speedup [min-max]", "TTFT p50 ms", "ITL p50 ms",
+              "speedup [min-max]", "TTFT p50 ms", "ITL p50 ms", "users @objective",
+              f"$/M out tok @objective ({_price_label(comparison)})",
               *[f"recovery {s} [95% CI]" for s in _suites(comparison)], "gate", "figures from"]
     cells = []
     for row in comparison.rows:
@@ -80,14 +105,15 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         speed = f"{served} (bench {run})" if run else served
         origin = speed if row.name == BASELINE else f"speed {speed}, accuracy {row.figures_from}"
         cells.append([
-            row.name, f"{row.precision} ({row.scheme})",
+            row.name, f"{row.precision} ({row.scheme})"
+            + (f" + {row.kv_dtype} KV" if row.kv_dtype != "bf16" else ""),
             f"{row.weight_bytes / 1e6:,.1f} MB ({row.weight_ratio:.2f})",
             _num(row.kv.get(tracking.KV_CACHE_TOKENS), "{:,.0f}"),
             _num(row.served_concurrency(ctx), "{:,}"), conc,
             "-" if row.serving != "ok" else _spread(row.headline, tracking.OUTPUT_TOKENS_PER_S),
             _speed_cell(row),
             _num(row.headline.get(tracking.TTFT_MS_P50), "{:,.0f}"),
-            _num(row.headline.get(tracking.ITL_MS_P50)),
+            _num(row.headline.get(tracking.ITL_MS_P50)), _capacity_cell(row), _cost_cell(row),
             *[_suite_cell(row, s) for s in _suites(comparison)], gate_cell, origin])
     return header, cells
 
@@ -133,13 +159,45 @@ def _plan_line(comparison: Comparison) -> str:
             f"(paged) or {t.max_context:,} reserved (worst case)")
 
 
+def capacity_lines(comparison: Comparison) -> list[str]:
+    """What 'users @objective' and the cost column mean, and the crossover of each variant."""
+    out = []
+    objective = next((r.capacity.get("objective") for r in comparison.rows if r.capacity), None)
+    if objective:
+        out.append(f"users @objective: the highest max concurrency measured to meet {objective} "
+                   "(searched, each point repeated; measured on this machine); its cost: the "
+                   f"machine's price ({_price_label(comparison)}: "
+                   f"{comparison.price.get('source', '?')}) over the output tokens/s measured "
+                   "there [from the repeats' min-max]")
+    target = comparison.cost_target
+    for row in comparison.rows:
+        cap, c = row.capacity, row.cost
+        if cap and row.serving == "ok":
+            out.append(f"{row.name}: capacity limited by {cap.get('limited_by', '?')}")
+        if c.get("machines_for_target_users"):
+            planned = c.get("planned_devices_for_target_users_kv")
+            out.append(f"{row.name}: {target.target_users:,} concurrent users need "
+                       f"{c['machines_for_target_users']:,} machines like this one (measured)"
+                       + (f"; on {_where(comparison)} the KV cache alone needs at least "
+                          f"{planned:,} devices (planned; its latency there is not measured)"
+                          if planned else ""))
+        if c.get("machines_for_target_rps"):
+            out.append(f"{row.name}: {target.target_rps:g} requests/s need "
+                       f"{c['machines_for_target_rps']:,} machines like this one (measured)")
+        if row.crossover and row.comparable:
+            out.append(f"{row.name}: {row.crossover}")
+    return out
+
+
 def _notes(comparison: Comparison) -> list[str]:
     from pipeline.report.recommend import OBJECTIVE_TEXT
 
     out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
-           "(OBJECTIVE=speed|memory|capacity)"]
+           "(OBJECTIVE=speed|memory|capacity|cost)", *capacity_lines(comparison)]
     if comparison.hardware:
         out.append(f"speed measured on: {comparison.hardware}")
+    for name, lengths in comparison.traffic.items():
+        out.append(f"traffic {name} (a prompt file): {lengths_text(lengths)}")
     for failure in comparison.failures:
         log = f" (log {failure['log']})" if failure.get("log") else ""
         out.append(f"FAILED: {failure['variant']} in {failure['stage']}: {failure['reason']}{log}"
@@ -173,6 +231,8 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               capacity.MAX_CONCURRENCY_WORST_CASE, "serving_status", "output_tokens_per_s",
               "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup", "speedup_min",
               "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+              tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
+              tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK,
               "eval_backend", "gate", "threshold_pct", "engine_scheme",
               tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
               "comparable")
@@ -206,8 +266,9 @@ def csv_text(comparison: Comparison) -> str:
             tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
             "measurement": row.measurement, "comparable": row.comparable}
         for key in CSV_FIELDS:
-            if key in h:
-                record[key] = h[key]
+            for source in (h, row.capacity, row.cost):
+                if key in source and key not in record:
+                    record[key] = source[key]
         for s in suites:
             fig = row.suites.get(s, {})
             record[f"recovery_pct.{s}"] = fig.get("recovery_pct")

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import Field
-
+from pipeline.core.artifacts import CostTarget
+from pipeline.core.campaigns import ObjectiveName
 from pipeline.core.settings import StageSettings, baseline_field, recipes_field
+
+
+class CostOverrides(BaseModel):
+    """What overrides a campaign file's ``cost:`` block."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    price_per_hour: float | None = Field(
+        None, gt=0, description="USD per hour of the machine the speed is measured on "
+        "(default: its accelerator preset's example price, or the campaign's "
+        "host_price_per_hour)", json_schema_extra={"make": "PRICE_PER_HOUR"})
+    target_users: int | None = Field(None, gt=0, description="concurrent users to serve: "
+                                     "machines needed at the latency objective",
+                                     json_schema_extra={"make": "TARGET_USERS"})
+    target_rps: float | None = Field(None, gt=0, description="requests per second to serve: "
+                                     "machines needed at the latency objective",
+                                     json_schema_extra={"make": "TARGET_RPS"})
+
+    def apply(self, target: CostTarget) -> CostTarget:
+        return target.model_copy(update={k: v for k, v in self.model_dump().items()
+                                         if v is not None})
 
 
 class CompareSettings(StageSettings):
@@ -21,10 +41,13 @@ class CompareSettings(StageSettings):
                                 json_schema_extra={"make": "PLAN_CONTEXT"})
     max_context: int | None = Field(None, description="tokens reserved per request, worst case")
     memory_gb: float | None = Field(None, description="accelerator memory instead of --gpu")
-    objective: Literal["speed", "memory", "capacity"] | None = Field(
+    objective: ObjectiveName | None = Field(
         None, description="what the recommendation optimises (default: the campaign's, speed): "
-        "the fastest passing variant faster than the baseline, the smallest, or the one holding "
-        "the most requests at the plan target", json_schema_extra={"make": "OBJECTIVE"})
+        "the fastest passing variant faster than the baseline, the smallest, the one holding "
+        "the most requests at the plan target, or the cheapest per million tokens at the latency "
+        "objective", json_schema_extra={"make": "OBJECTIVE"})
+    cost: CostOverrides = Field(default_factory=CostOverrides,
+                                json_schema_extra={"nested": True})
     track: bool = Field(True, description="log the comparison to MLflow",
                         json_schema_extra={"negative": "--no-track",
                                            "negative_help": "do not log to MLflow"})

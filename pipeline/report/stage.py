@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pipeline.core import campaigns, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import Comparison, PlanTarget
+from pipeline.core.artifacts import Comparison, CostTarget, PlanTarget
 from pipeline.core.paths import default_tracking_uri
 from pipeline.core.variant import BaselineLike
 from pipeline.report import compare, render
@@ -18,10 +18,10 @@ log = qlog.get("compare")
 
 def compare_and_log(base: BaselineLike, recipes: list[str] | None, target: PlanTarget,
                     campaign: str = "compare", track: bool = True,
-                    failures: list[dict[str, str]] | None = None, objective: str = "speed"
-                    ) -> tuple[Comparison, list[Path]]:
+                    failures: list[dict[str, str]] | None = None, objective: str = "speed",
+                    cost_target: CostTarget | None = None) -> tuple[Comparison, list[Path]]:
     """Join, write ``artifacts/reports/<baseline>/`` and log the parent and child runs."""
-    comparison = compare.collect(base, recipes, target, failures, objective)
+    comparison = compare.collect(base, recipes, target, failures, objective, cost_target)
     meta = run_meta(comparison, campaign)
     comparison = comparison.model_copy(update={"meta": meta})
     out = Comparison.directory(base.name)
@@ -51,5 +51,6 @@ def run(settings: CompareSettings) -> Comparison:
         tracking.check_store()
     comparison, _ = compare_and_log(resolve(settings.baseline), list(settings.recipes) or None,
                                     plan_target(settings, file), "compare", settings.track,
-                                    objective=settings.objective or file.objective)
+                                    objective=settings.objective or file.objective,
+                                    cost_target=settings.cost.apply(file.cost))
     return comparison

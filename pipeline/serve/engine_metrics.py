@@ -77,6 +77,11 @@ def prefix_cache_counters(samples: list[Sample]) -> tuple[float, float]:
             total(samples, "vllm:prefix_cache_hits_total"))
 
 
+def preemptions(samples: list[Sample]) -> float:
+    """Requests the scheduler preempted since the server started (its KV cache was full)."""
+    return total(samples, "vllm:num_preemptions_total")
+
+
 @dataclass(frozen=True)
 class EngineLog:
     """What the engine's start-up log says it chose and used."""

@@ -1,0 +1,83 @@
+"""Cost per million tokens and machines for a target load (hand-worked), and the crossover."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.core import tracking
+from pipeline.core.artifacts import CostTarget, Row
+from pipeline.core.hardware import Gpu, Profile
+from pipeline.report import compare, cost, crossover
+
+
+def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = None) -> Row:
+    row = Row(name="int8", recipe="int8", scheme="S", format="int-quantized", precision="int8",
+              weight_bytes=1, weight_ratio=0.5, serving="ok")
+    row.capacity = {tracking.SLO_MAX_CONCURRENCY: max_concurrency,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": tps * 0.8,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": tps * 1.25,
+                    tracking.SLO_REQUESTS_PER_S: rps}
+    if planned:
+        row.plan = {"planned_max_concurrency_paged": planned}
+    return row
+
+
+def test_cost_per_million_tokens_by_hand():
+    # $3.00 an hour at 500 tokens/s: 1.8 M tokens an hour, so $1.666... per million
+    assert cost.per_million_tokens(3.0, 500.0) == pytest.approx(3.0 / 1.8)
+    figures = cost.figures(_row(10, 500.0, 30.0), 3.0, CostTarget())
+    assert figures[cost.USD_PER_MTOK] == pytest.approx(1.6667, abs=1e-4)
+    # the slowest repeat (400 tok/s) is the dearest: $2.083; the fastest (625) $1.333
+    assert figures[cost.USD_PER_MTOK + "_max"] == pytest.approx(3.0 / 1.44)
+    assert figures[cost.USD_PER_MTOK + "_min"] == pytest.approx(3.0 / 2.25)
+
+
+def test_machines_for_a_target_load_round_up_and_say_what_is_planned():
+    target = CostTarget(target_users=105, target_rps=61.0)
+    figures = cost.figures(_row(10, 500.0, 30.0, planned=40), 3.0, target)
+    assert figures["machines_for_target_users"] == 11  # 105 users / 10 per machine
+    assert figures["machines_for_target_rps"] == 3  # 61 req/s / 30 per machine
+    assert figures["planned_devices_for_target_users_kv"] == 3  # 105 / 40 the KV cache holds
+
+
+def test_no_capacity_at_the_objective_means_no_cost():
+    assert cost.figures(_row(0, 0.0, 0.0), 3.0, CostTarget(target_users=5)) == {}
+    assert cost.figures(Row(name="x", recipe="x", scheme="S", format="f", precision="p",
+                            weight_bytes=1, weight_ratio=1.0), 3.0, CostTarget()) == {}
+
+
+def test_the_price_is_the_override_then_the_gpu_preset_then_the_host_figure():
+    facts = {"machine": "x86_64", "cpu_model": "x", "cores": 2, "cpu_flags": (),
+             "vllm_cpu_isa": "native", "vllm": "0.32"}
+    cpu = Profile(target="cpu", **facts)
+    h100 = Profile(target="cuda", **facts,
+                   gpus=(Gpu(name="NVIDIA H100 80GB HBM3", memory_mib=81559,
+                             compute_capability="9.0"),) * 2)
+    assert compare.price(CostTarget(price_per_hour=7.0), h100)["price_per_hour"] == 7.0
+    priced = compare.price(CostTarget(), h100)
+    assert priced["price_per_hour"] == 6.0 and "2 x h100-80gb" in priced["source"]
+    assert compare.price(CostTarget(host_price_per_hour=0.2), cpu)["price_per_hour"] == 0.2
+
+
+def _sweep(*points: tuple[int, float, float, float]) -> dict[int, dict[str, float]]:
+    return {c: {tracking.SPEEDUP: s, tracking.SPEEDUP + "_min": lo, tracking.SPEEDUP + "_max": hi}
+            for c, s, lo, hi in points}
+
+
+def test_crossover_is_interpolated_in_log_concurrency():
+    # 1.5x at 1, 0.5x at 16: crosses 1 half way in log2, at 4
+    sweep = _sweep((1, 1.5, 1.4, 1.6), (16, 0.5, 0.45, 0.55))
+    assert crossover.crossings(sweep) == [pytest.approx(4.0)]
+    text = crossover.sentence(sweep)
+    assert text.startswith("faster than the baseline up to about 4.0 concurrent requests, "
+                           "slower beyond")
+
+
+def test_crossover_when_the_speedup_never_crosses_or_is_unclear():
+    assert crossover.sentence(_sweep((1, 0.77, 0.7, 0.8), (4, 0.73, 0.7, 0.76))).startswith(
+        "slower than the baseline at every load measured (concurrency 1-4")
+    unclear = crossover.sentence(_sweep((1, 1.05, 0.95, 1.1), (4, 1.2, 1.1, 1.3)))
+    assert "faster than the baseline at every load" in unclear
+    assert "at concurrency 1 its repeats straddle 1" in unclear
+    assert crossover.sentence({}) == ""
