@@ -60,6 +60,25 @@ repeats: 2
 seed: 9
 """
 
+# the user's own traffic, both ways vLLM's client replays it: prompts and a timed trace
+TINY_PROMPTS = """\
+description: tiny prompt file
+dataset: custom
+prompts: prompts.jsonl
+load_points: [2]
+min_prompts: 3
+repeats: 1
+models: baseline
+"""
+TINY_TRACE = """\
+description: tiny timed trace
+dataset: timed_trace
+trace: trace.jsonl
+load_points: [4]
+repeats: 1
+models: baseline
+"""
+
 
 def _vllm_processes() -> list[psutil.Process]:
     """vLLM processes this test process started (servers, engines, the benchmark client)."""
@@ -102,9 +121,18 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     (workspace / "tiny.yaml").write_text(TINY_LOAD)
     (workspace / "tinyprefix.yaml").write_text(TINY_PREFIX)
     (workspace / "tinycap.yaml").write_text(TINY_CAPACITY)
-    loads = [workloads.load(str(workspace / "tiny.yaml")),
-             workloads.load(str(workspace / "tinyprefix.yaml")),
-             workloads.load(str(workspace / "tinycap.yaml"))]
+    (workspace / "prompts.jsonl").write_text(
+        '{"prompt": "What is the capital of France?", "output_tokens": 3}\n'
+        '{"prompt": "Write one word.", "output_tokens": 5}\n'
+        '{"prompt": "Count to three, please, slowly and clearly.", "output_tokens": 4}\n')
+    (workspace / "tinyprompts.yaml").write_text(TINY_PROMPTS)
+    (workspace / "trace.jsonl").write_text("".join(
+        f'{{"timestamp": {0.2 * i}, "input_length": {20 + 10 * i}, "output_length": 4, '
+        f'"hash_ids": [{10 * i}, {10 * i + 1}, {10 * i + 2}, {10 * i + 3}]}}\n'
+        for i in range(4)))
+    (workspace / "tinytrace.yaml").write_text(TINY_TRACE)
+    loads = [workloads.load(str(workspace / f"{name}.yaml"))
+             for name in ("tiny", "tinyprefix", "tinycap", "tinyprompts", "tinytrace")]
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
         summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
@@ -163,6 +191,16 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert 0.2 < on.prefix_cache_hit_rate <= on.prefix_cache_expected_hit_rate + HIT_TOLERANCE
     assert base_prefix["tinyprefix_nocache"].prefix_cache_hit_rate == 0
     assert "tinyprefix" not in summary.models["int4"].workloads
+    # the user's own traffic went through vLLM's client, and its lengths were kept: three
+    # prompts (templated, so longer than their words) with their own output lengths; the
+    # trace's four requests with exactly its lengths
+    prompts = base_prefix["tinyprompts"].lengths
+    assert prompts is not None and prompts["requests"] == 3
+    assert prompts["output_tokens_max"] == 5 and prompts["input_tokens_p50"] > 5
+    trace = base_prefix["tinytrace"].lengths
+    assert trace == {"requests": 4, "input_tokens_p50": 35.0, "input_tokens_p90": 50,
+                     "input_tokens_max": 50, "output_tokens_p50": 4.0, "output_tokens_p90": 4,
+                     "output_tokens_max": 4}
     # the speedup is the median of the per-repeat ratios, and lies within their spread;
     # recomputed here from vLLM's own result files, one per run
     int4 = summary.models["int4"].workloads["tiny"].points[2]

@@ -158,6 +158,17 @@ def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None
     assert compare.reference_run([], identities, "cpu-x") is None
 
 
+def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() -> None:
+    """`make bench WORKLOAD=capacity` after a campaign: it covers every variant too, but has no
+    load point to compare speed at; the campaign's sweep stays the reference."""
+    identities = {"baseline": "B", "int8": "E"}
+    sweep = (Path("sweep/summary.json"), _summary(dict(identities)))
+    sweep[1].headline = {"chat": 4, "capacity": 0}
+    search = (Path("search/summary.json"), _summary(dict(identities)))
+    search[1].headline = {"capacity": 0}
+    assert compare.reference_run([search, sweep], identities, "cpu-x")[0] == sweep[0]
+
+
 def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path) -> None:
     emulated = _row("mxfp4", None, gate.PASS, serving="unsupported", backend="emulated")
     emulated.serving_reason = "Failed to find a kernel"

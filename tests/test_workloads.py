@@ -97,7 +97,7 @@ def test_a_prompt_file_workload_replays_the_users_requests(tmp_path: Path) -> No
                                       '{"prompt": "Summarize: ...", "output_tokens": 40}\n')
     (tmp_path / "w.yaml").write_text(CUSTOM)
     w = workloads.load(str(tmp_path / "w.yaml"))
-    assert w.prompts == str(tmp_path / "p.jsonl") and len(w.prompts_sha256) == 64
+    assert w.prompts == str(tmp_path / "p.jsonl") and len(w.file_sha256) == 64
     assert w.max_tokens_per_request == 40  # the longest output; the client counts prompts
     args = w.client_args(2, repeat=1)
     assert args[args.index("--dataset-name") + 1] == "custom"
@@ -115,7 +115,7 @@ def test_a_prompt_file_workload_replays_the_users_requests(tmp_path: Path) -> No
     ('{"prompt": "", "output_tokens": 3}\n', 1, '"prompt"'),
     ('{"prompt": "ok"}\n', 1, "output_tokens"),
     ('{"prompt": "ok", "output_tokens": -4}\n', 1, "positive integer"),
-    ('["prompt", "ok"]\n', 1, '"prompt"'),
+    ('["prompt", "ok"]\n', 1, "not a JSON object"),
 ])
 def test_a_malformed_prompt_file_names_the_line(tmp_path: Path, lines: str, line: int,
                                                 message: str) -> None:
@@ -142,3 +142,51 @@ def test_the_shipped_sample_traffic_loads() -> None:
     w = workloads.load("traffic")
     assert w.dataset == "custom" and Path(w.prompts).name == "sample-prompts.jsonl"
     assert 20 <= len(Path(w.prompts).read_text().splitlines()) <= 200
+
+
+TRACE = "dataset: timed_trace\ntrace: t.jsonl\nload_points: [8]\n"
+
+
+def test_a_timed_trace_is_replayed_whole_at_its_own_pace(tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 20, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 0.5, "input_length": 300, "output_length": 50, "hash_ids": [3, 4, 5]}\n'
+        '{"timestamp": 0.5, "input_length": 40, "output_length": 8, "hash_ids": [1]}\n')
+    (tmp_path / "w.yaml").write_text(TRACE + "trace_sec_multiplier: 0.001\n"
+                                     "trace_chunk_size: 100\n")
+    w = workloads.load(str(tmp_path / "w.yaml"))
+    assert w.num_prompts(8) == 3  # the whole trace, whatever the load point
+    assert w.max_tokens_per_request == 350
+    args = w.client_args(8)
+    assert args[args.index("--dataset-name") + 1] == "timed_trace"
+    assert args[args.index("--dataset-path") + 1] == str(tmp_path / "t.jsonl")
+    assert args[args.index("--timed-trace-sec-multiplier") + 1] == "0.001"
+    assert args[args.index("--num-warmups") + 1] == "4"
+    assert args[args.index("--timed-trace-chunk-hash-size") + 1] == "100"
+    # with vLLM's default 16 tokens per id, 2 ids cannot make a 100-token prompt
+    (tmp_path / "w.yaml").write_text(TRACE)
+    with pytest.raises(ConfigError, match=r"request 1 .* has 2 hash_ids for 100 prompt tokens"):
+        workloads.load(str(tmp_path / "w.yaml"))
+
+
+@pytest.mark.parametrize("lines, line, message", [
+    ('{"timestamp": 1, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+     '{"timestamp": 0.5, "input_length": 10, "output_length": 5}\n', 2, "arrival order"),
+    ('{"timestamp": "now", "input_length": 10, "output_length": 5}\n', 1, "timestamp"),
+    ('{"timestamp": 0, "output_length": 5}\n', 1, '"input_length"'),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 0}\n', 1, '"output_length"'),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": "ab"}\n', 1,
+     "hash_ids"),
+])
+def test_a_malformed_trace_names_the_line(tmp_path: Path, lines: str, line: int,
+                                          message: str) -> None:
+    (tmp_path / "t.jsonl").write_text(lines)
+    (tmp_path / "w.yaml").write_text(TRACE)
+    with pytest.raises(ConfigError, match=message) as err:
+        workloads.load(str(tmp_path / "w.yaml"))
+    assert f"{tmp_path / 't.jsonl'}, line {line}:" in str(err.value)
+
+
+def test_the_shipped_sample_trace_loads() -> None:
+    w = workloads.load("trace")
+    assert w.dataset == "timed_trace" and w.num_prompts(32) == 48

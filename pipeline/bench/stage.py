@@ -36,7 +36,8 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
               target: str) -> str:
     payload = {"models": [(m.recipe, m.identity) for m in models],
                "workloads": [{**dataclasses.asdict(w), "path": w.name,
-                              "prompts": w.prompts_sha256} for w in loads],
+                              "prompts": w.file_sha256, "trace": w.file_sha256}
+                             for w in loads],
                "engine": settings.model_dump(), "target": target, "vllm": vllm_version(),
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()

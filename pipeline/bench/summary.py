@@ -97,7 +97,7 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
                 prefix_cache_expected_hit_rate=expected)
         for key, data in figures.items():
-            if key in by_name and by_name[key].dataset == "custom":
+            if key in by_name and by_name[key].dataset in ("custom", "timed_trace"):
                 data.lengths = length_distribution(
                     [r for runs in record.runs[key].values() for r in runs])
         for key, found in record.searches.items():

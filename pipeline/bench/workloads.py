@@ -28,14 +28,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pipeline.bench import prompt_file
+from pipeline.bench import request_files
 from pipeline.bench.slo import Objective
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 
-DATASETS = ("random", "prefix_repetition", "custom")
+DATASETS = ("random", "prefix_repetition", "custom", "timed_trace")
 PERCENTILES = "50,99"
 
 
@@ -68,7 +68,10 @@ class Workload:
     # with caching off, every model it runs on or only the baseline (a restart each)
     prefix_off_models: str = "all"
     prompts: str = ""  # custom: the prompt file (JSONL), resolved against the workload's folder
-    prompts_sha256: str = ""  # its content: part of a measurement's identity
+    trace: str = ""  # timed_trace: the trace file (JSONL), likewise
+    trace_sec_multiplier: float = 1.0  # the trace's timestamps x this = seconds
+    trace_chunk_size: int = 16  # prompt tokens per hash id
+    file_sha256: str = ""  # the prompt or trace file's content: part of a measurement's identity
     slo: Objective | None = None  # a capacity search instead of fixed load points
     search_ceiling: int = 32
     search_precision: float = 0.25
@@ -81,6 +84,8 @@ class Workload:
                                              or model_name == "baseline")
 
     def num_prompts(self, concurrency: int) -> int:
+        if self.dataset == "timed_trace":  # the whole trace, at its own pace
+            return request_files.trace_requests(Path(self.trace))
         by_work = (-(-self.min_output_tokens // self.output_len)
                    if self.min_output_tokens and self.output_len else 0)
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
@@ -107,7 +112,9 @@ class Workload:
         """Longest prompt + output this workload sends (the engine's max_model_len must fit);
         for a prompt file, its longest output (its prompts are counted by the client)."""
         if self.dataset == "custom":
-            return self.output_len or prompt_file.longest_output(Path(self.prompts))
+            return self.output_len or request_files.longest_output(Path(self.prompts))
+        if self.dataset == "timed_trace":
+            return request_files.trace_longest(Path(self.trace))
         if self.dataset == "random":
             return int(self.input_len * (1 + self.range_ratio)) + int(
                 self.output_len * (1 + self.range_ratio)) + 1
@@ -130,12 +137,20 @@ class Workload:
             # one batch of the first prompt before the timed run: kernels and batch shapes are
             # warm (the first repeat ran up to 1.5x slower without). Not for prefix
             # comparisons: a warm-up would cache a whole prompt that the run then re-sends.
-            args += ["--num-warmups", str(concurrency)]
+            # (a trace's cap is no load: a few warm-ups, not one per possible slot)
+            warm = min(concurrency, 4) if self.dataset == "timed_trace" else concurrency
+            args += ["--num-warmups", str(warm)]
         if self.dataset == "custom":
             # the prompts as the user sent them, through the model's chat template; their own
             # output_tokens unless output_len is set; every request's lengths kept (report)
             args += ["--dataset-path", self.prompts,
                      "--custom-output-len", str(self.output_len or -1), "--save-detailed"]
+        elif self.dataset == "timed_trace":
+            # replayed at the trace's own arrival times (vLLM's --self-timed default for it);
+            # max concurrency still caps what is in flight
+            args += ["--dataset-path", self.trace, "--timed-trace-sec-multiplier",
+                     str(self.trace_sec_multiplier), "--timed-trace-chunk-hash-size",
+                     str(self.trace_chunk_size), "--save-detailed"]
         elif self.dataset == "random":
             args += ["--random-input-len", str(self.input_len),
                      "--random-output-len", str(self.output_len),
@@ -153,9 +168,11 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
-          "search_ceiling": int, "search_precision": (int, float), "prompts": str}
+          "search_ceiling": int, "search_precision": (int, float), "prompts": str,
+          "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int}
 REQUIRED = {"random": ("input_len", "output_len"),
-            "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": ()}
+            "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": (),
+            "timed_trace": ()}
 
 
 def find(name_or_path: str) -> Path:
@@ -195,10 +212,19 @@ def load(name_or_path: str) -> Workload:
             raise ConfigError(f"{path}: a custom workload names its prompt file: prompts: "
                               "FILE.jsonl (one {\"prompt\": ..., \"output_tokens\": N} per "
                               "line; docs/workloads.md).")
-        prompts = prompt_file.check((path.parent / data["prompts"]).resolve(),
-                                    needs_output=not data.get("output_len"))
+        prompts = request_files.check((path.parent / data["prompts"]).resolve(),
+                                      needs_output=not data.get("output_len"))
         data = {**data, "prompts": str(prompts),
-                "prompts_sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+                "file_sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+    if dataset == "timed_trace":
+        if not data.get("trace"):
+            raise ConfigError(f"{path}: a timed_trace workload names its trace: trace: "
+                              f"FILE.jsonl (one {request_files.TRACE_FORMAT} per line; "
+                              "docs/workloads.md).")
+        trace = request_files.check_trace((path.parent / data["trace"]).resolve(),
+                                          int(data.get("trace_chunk_size", 16)))
+        data = {**data, "trace": str(trace),
+                "file_sha256": hashlib.sha256(trace.read_bytes()).hexdigest()}
     slo = _objective(path, data)
     if slo is not None and ("load_points" in data or "headline" in data):
         raise ConfigError(f"{path}: a workload with an slo searches for its load points: remove "

@@ -113,9 +113,9 @@ def _holds(summary: BenchSummary, name: str, identity: str) -> ModelBench | None
 def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[str, str],
                   hardware_key: str) -> tuple[Path, BenchSummary] | None:
     """The bench run the comparison is made from: of the runs that served this baseline, the
-    one on this machine's hardware that measured most of the current variants (the newest on
-    a tie). Every speedup compared comes from it: one baseline run, one workload, one load
-    point."""
+    one on this machine's hardware that measured most of the current variants, with a speed
+    sweep rather than only a capacity search (the newest on a tie). Every speedup compared
+    comes from it: one baseline run, one workload, one load point."""
     ranked = []
     for age, (path, summary) in enumerate(summaries):  # newest first
         base = _holds(summary, BASELINE, identities[BASELINE])
@@ -123,7 +123,8 @@ def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[s
             continue
         covered = sum(_holds(summary, n, i) is not None for n, i in identities.items())
         same_hw = summary.hardware.get("key") == hardware_key
-        ranked.append(((same_hw, covered, -age), path, summary))
+        swept = any(summary.headline.values())  # a search-only run has no headline point
+        ranked.append(((same_hw, covered, swept, -age), path, summary))
     if not ranked:
         return None
     _, path, summary = max(ranked, key=lambda r: r[0])
@@ -146,7 +147,8 @@ def measurement_label(path: Path, summary: BenchSummary) -> str:
 def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[str, int]:
     """Fill the bench fields; returns (headline workload, its load point)."""
     workloads = [Path(w).stem for w in summary.workloads] or list(entry.workloads)
-    first = workloads[0]
+    # the headline: the first sweep (a capacity search has no load points of its own)
+    first = next((w for w in workloads if summary.headline.get(w)), workloads[0])
     head = summary.headline.get(first) or None
     row.serving, row.serving_reason, row.serving_log = entry.status, entry.reason, entry.log
     row.kv, row.engine = dict(entry.kv), dict(entry.engine)
@@ -161,7 +163,7 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
     row.headline = row.sweep.get(head, {}) if head is not None else {}
     if row.name != BASELINE:
         row.crossover = crossover.sentence(row.sweep)
-    for name in workloads[1:]:
+    for name in (w for w in workloads if w != first):
         other = entry.workloads.get(name)
         if other is not None and other.capacity is not None and not row.capacity:
             row.capacity = {**other.capacity, "curve": {
