@@ -67,6 +67,7 @@ dataset: custom
 prompts: prompts.jsonl
 load_points: [2]
 min_prompts: 3
+prompts_per_concurrency: 1
 repeats: 1
 models: baseline
 """

@@ -68,12 +68,24 @@ class BenchClient:
             raise ServeError(f"vllm bench serve failed: {answer.get('error')}. Log: {log}")
 
 
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the tokenizer in ``model_dir`` has a chat template (a base model has none)."""
+    if any((model_dir / name).is_file() for name in ("chat_template.jinja",
+                                                      "chat_template.json")):
+        return True
+    return bool(read_json(model_dir / "tokenizer_config.json").get("chat_template"))
+
+
 def client_argv(server: VllmServer, variant: Variant, workload: Workload, concurrency: int,
                 out_dir: Path, tag: str, repeat: int = 0) -> list[str]:
-    """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand)."""
+    """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand).
+    A prompt file goes through the model's chat template, as a chat request would; a model
+    without one (a base model) gets the prompts as they are."""
+    skip = ["--skip-chat-template"] if workload.dataset == "custom" and not has_chat_template(
+        variant.path) else []
     return ["--backend", "vllm", "--base-url", server.base_url, "--endpoint", "/v1/completions",
             "--model", server.served_name, "--tokenizer", str(variant.path),
-            *workload.client_args(concurrency, repeat), "--save-result", "--result-dir",
+            *workload.client_args(concurrency, repeat), *skip, "--save-result", "--result-dir",
             str(out_dir), "--result-filename", f"{tag}.json", "--disable-tqdm"]
 
 
