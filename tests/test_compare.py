@@ -19,6 +19,7 @@ from pipeline.core.artifacts import (
     PlanTarget,
     Row,
     TaskEntry,
+    WorkloadFigures,
 )
 from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
@@ -167,6 +168,20 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
     search = (Path("search/summary.json"), _summary(dict(identities)))
     search[1].headline = {"capacity": 0}
     assert compare.reference_run([search, sweep], identities, "cpu-x")[0] == sweep[0]
+    # the capacity itself is an absolute figure: shown from the search's run, and said so
+    search[1].measured = "2026-11-30T21:51:10+00:00"
+    search[1].models["int8"].workloads = {"capacity": WorkloadFigures(
+        points={12: {"ttft_ms_p99": 480.0, "output_tokens_per_s": 216.0}},
+        capacity={"slo_max_concurrency": 12, "bounds": {"ttft_ms_p99": 500.0}})}
+    row = _row("int8", 1.2, gate.PASS)
+    compare._newest_capacity(row, "E", [search, sweep], "cpu-x")
+    assert row.capacity["slo_max_concurrency"] == 12
+    assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
+    assert row.notes == ["capacity at the objective from bench search (2026-11-30T21:51:10"
+                         "+00:00)"]
+    other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
+    compare._newest_capacity(other, "E", [search, sweep], "cuda-h100")
+    assert other.capacity == {} and other.notes == []
 
 
 def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path) -> None:

@@ -190,3 +190,15 @@ def test_a_malformed_trace_names_the_line(tmp_path: Path, lines: str, line: int,
 def test_the_shipped_sample_trace_loads() -> None:
     w = workloads.load("trace")
     assert w.dataset == "timed_trace" and w.num_prompts(32) == 48
+
+
+def test_prompts_go_through_the_chat_template_only_where_the_model_has_one(tmp_path: Path
+                                                                             ) -> None:
+    from pipeline.bench.client import has_chat_template
+
+    assert not has_chat_template(tmp_path)  # a base model: prompts are sent as they are
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)

@@ -131,6 +131,41 @@ def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[s
     return path, summary
 
 
+def capacity_of(entry: ModelBench) -> dict[str, Any]:
+    """A model's first capacity search, with the bounded latencies at each point it visited."""
+    for figures in entry.workloads.values():
+        if figures.capacity is not None:
+            bounds = figures.capacity.get("bounds", {})
+            return {**figures.capacity, "curve": {
+                c: {k: st[k] for k in bounds if k in st} for c, st in figures.points.items()}}
+    return {}
+
+
+def _newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSummary]],
+                     hardware_key: str) -> None:
+    """A capacity search made in another run on this hardware (``make bench
+    WORKLOAD=capacity``): an absolute figure, shown with the run it comes from."""
+    for path, summary in summaries:  # newest first
+        entry = _holds(summary, row.name, identity)
+        found = capacity_of(entry) if entry is not None and entry.status == "ok" else {}
+        if found and summary.hardware.get("key") == hardware_key:
+            row.capacity = {**found, "measurement": measurement_label(path, summary)}
+            row.notes.append(f"capacity at the objective from {row.capacity['measurement']}")
+            return
+
+
+def _traffic(summaries: list[tuple[Path, BenchSummary]], identity: str
+             ) -> dict[str, dict[str, float]]:
+    """Each prompt-file or trace workload's requests as sent: the newest run of each."""
+    out: dict[str, dict[str, float]] = {}
+    for _, summary in summaries:  # newest first
+        base = _holds(summary, BASELINE, identity)
+        for name, figures in (base.workloads.items() if base is not None else ()):
+            if figures.lengths and name not in out:
+                out[name] = figures.lengths
+    return out
+
+
 def _measured_in(name: str, identity: str, summaries: list[tuple[Path, BenchSummary]]
                  ) -> tuple[Path, BenchSummary, ModelBench] | None:
     for path, summary in summaries:
@@ -163,12 +198,9 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
     row.headline = row.sweep.get(head, {}) if head is not None else {}
     if row.name != BASELINE:
         row.crossover = crossover.sentence(row.sweep)
+    row.capacity = capacity_of(entry)
     for name in (w for w in workloads if w != first):
         other = entry.workloads.get(name)
-        if other is not None and other.capacity is not None and not row.capacity:
-            row.capacity = {**other.capacity, "curve": {
-                c: {k: st[k] for k in other.capacity.get("bounds", {}) if k in st}
-                for c, st in other.points.items()}}
         if other is not None and other.prefix_cache_ttft_speedup is not None:
             row.prefix = {k: v for k, v in other.counters().items()
                           if k in ("prefix_cache_hit_rate", "prefix_cache_expected_hit_rate",
@@ -248,11 +280,9 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     reference = reference_run(summaries, identities, hardware.profile().key())
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
-    traffic: dict[str, dict[str, float]] = {}
+    traffic = _traffic(summaries, identities[BASELINE])
     if reference is not None:
         ref_path, ref = reference
-        traffic = {name: fig.lengths for name, fig in ref.models[BASELINE].workloads.items()
-                   if fig.lengths}
         measurement = {"run": measurement_label(ref_path, ref), "path": str(ref_path),
                        "hardware": ref.hardware.get("summary", "unknown"),
                        "pairing": ref.speedup_pairing}
@@ -277,6 +307,9 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                     f"({measurement.get('run', 'none')}): its speedup is against another "
                     "baseline run, so it is shown but not compared or recommended; "
                     "`make bench` measures every variant in one run")
+            if row.serving == "ok" and not row.capacity:
+                _newest_capacity(row, identities[row.name], summaries,
+                                 hardware.profile().key())
             if row.serving == "failed":
                 failed.append({"variant": row.name, "stage": "bench",
                                "reason": row.serving_reason, "log": row.serving_log})

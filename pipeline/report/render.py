@@ -159,6 +159,10 @@ def _plan_line(comparison: Comparison) -> str:
             f"(paged) or {t.max_context:,} reserved (worst case)")
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def capacity_lines(comparison: Comparison) -> list[str]:
     """What 'users @objective' and the cost column mean, and the crossover of each variant."""
     out = []
@@ -177,13 +181,15 @@ def capacity_lines(comparison: Comparison) -> list[str]:
         if c.get("machines_for_target_users"):
             planned = c.get("planned_devices_for_target_users_kv")
             out.append(f"{row.name}: {target.target_users:,} concurrent users need "
-                       f"{c['machines_for_target_users']:,} machines like this one (measured)"
+                       f"{_count(c['machines_for_target_users'], 'machine')} like this one "
+                       "(measured)"
                        + (f"; on {_where(comparison)} the KV cache alone needs at least "
-                          f"{planned:,} devices (planned; its latency there is not measured)"
-                          if planned else ""))
+                          f"{_count(planned, 'device')} (planned; its latency there is not "
+                          "measured)" if planned else ""))
         if c.get("machines_for_target_rps"):
             out.append(f"{row.name}: {target.target_rps:g} requests/s need "
-                       f"{c['machines_for_target_rps']:,} machines like this one (measured)")
+                       f"{_count(c['machines_for_target_rps'], 'machine')} like this one "
+                       "(measured)")
         if row.crossover and row.comparable:
             out.append(f"{row.name}: {row.crossover}")
     return out
