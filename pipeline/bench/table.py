@@ -41,7 +41,7 @@ def _line(name: str, entry: ModelBench, workload: Workload) -> str | None:
 
 def lengths_text(lengths: dict[str, float]) -> str:
     """A prompt file's requests as sent, in one phrase."""
-    return (f"{lengths['requests']:.0f} over all runs; prompt tokens p50 "
+    return (f"{lengths['requests']:.0f} requests sent over all runs; prompt tokens p50 "
             f"{lengths['input_tokens_p50']:.0f} / p90 {lengths['input_tokens_p90']:.0f} / max "
             f"{lengths['input_tokens_max']:.0f}; output tokens p50 "
             f"{lengths.get('output_tokens_p50', 0):.0f} / p90 "
@@ -90,8 +90,10 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
         head = workload.headline
         caching = "prefix caching on vs off" if workload.compare_prefix_caching else \
             "prefix caching off: cold, distinct prompts"
+        out = (f"{workload.output_len} tokens out" if workload.output_len
+               else "each its own output length")
         lines.append(f"\n{workload.name} (concurrency {head}, {workload.num_prompts(head)} "
-                     f"requests x {workload.output_len} tokens out; {caching}; median of "
+                     f"requests x {out}; {caching}; median of "
                      f"{workload.repeats} repeats [min-max], spread = (max - min) / median)")
         lines.append(f"  {'model':10s} {'out tok/s':>22s} {'spread':>7s} {'speedup':>18s} "
                      f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} "
@@ -101,7 +103,7 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
         base = summary.models.get("baseline")
         lengths = base.workloads.get(workload.name) if base is not None else None
         if lengths is not None and lengths.lengths:
-            lines.append(f"  requests sent: {lengths_text(lengths.lengths)}")
+            lines.append(f"  {lengths_text(lengths.lengths)}")
         for name, entry in summary.models.items():
             data = entry.workloads.get(workload.name)
             if data is not None and data.prefix_cache_ttft_speedup is not None:

@@ -203,7 +203,7 @@ def _notes(comparison: Comparison) -> list[str]:
     if comparison.hardware:
         out.append(f"speed measured on: {comparison.hardware}")
     for name, lengths in comparison.traffic.items():
-        out.append(f"traffic {name} (a prompt file): {lengths_text(lengths)}")
+        out.append(f"workload {name} (your requests, from a file): {lengths_text(lengths)}")
     for failure in comparison.failures:
         log = f" (log {failure['log']})" if failure.get("log") else ""
         out.append(f"FAILED: {failure['variant']} in {failure['stage']}: {failure['reason']}{log}"
