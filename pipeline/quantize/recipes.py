@@ -22,7 +22,8 @@ from pipeline.core.settings import StageSettings
 
 QPIPE_KEY = "qpipe"
 CALIBRATION_KEYS = {"dataset", "num_samples", "max_seq_length", "seed"}
-QPIPE_KEYS = {"description", "calibration", "recovery_threshold_pct"}
+QPIPE_KEYS = {"description", "calibration", "recovery_threshold_pct",
+              "search"}  # search: how a searched recipe was chosen (informational)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""A searched choice of formats as an ordinary llmcompressor recipe (``recipes/<name>.yaml``).
+
+One ``config_group`` per format with the explicit module names it covers (bf16 units go to
+``ignore``), quantized by GPTQ like the shipped int4 and int8 recipes, and a ``qpipe:`` block
+saying how the choice was made, so that ``make quantize``, ``bench``, ``eval``, ``gate`` and
+``all`` treat it as any shipped recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from pipeline.core.errors import ConfigError
+from pipeline.search.solver import Choice
+
+KEEP = "bf16"  # the format that is no quantization: the unit's layers are ignored
+# The weight (and activation) arguments of each format, as the shipped recipes set them.
+FORMATS: dict[str, dict[str, Any]] = {
+    "int4": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                         "strategy": "group", "group_size": 64}},
+    "int8": {"weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                         "strategy": "channel"},
+             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                   "strategy": "token", "dynamic": True}},
+}
+CALIBRATION = {"dataset": "calibration/python-reference.jsonl", "num_samples": 32,
+               "max_seq_length": 256, "seed": 42}
+
+
+def recipe_text(choice: Choice, units: dict[str, list[str]], how: str, threshold: float,
+                extra: dict[str, Any] | None = None) -> str:
+    """The recipe file's text for ``choice`` (unit -> format over ``units``' layers)."""
+    unknown = sorted({f for f in choice.formats.values() if f != KEEP and f not in FORMATS})
+    if unknown:
+        raise ConfigError(f"format(s) {', '.join(unknown)} cannot go in a searched recipe: the "
+                          f"formats are {', '.join([*FORMATS, KEEP])}")
+    missing = sorted(set(units) - set(choice.formats))
+    if missing:
+        raise ConfigError(f"the choice has no format for unit(s) {', '.join(missing[:5])}")
+    by_format: dict[str, list[str]] = {}
+    for unit, layers in units.items():
+        by_format.setdefault(choice.formats[unit], []).extend(layers)
+    groups = {f"group_{fmt}": {"targets": layers, **FORMATS[fmt]}
+              for fmt, layers in sorted(by_format.items()) if fmt != KEEP}
+    counts = ", ".join(f"{len(v)} layers {k}" for k, v in sorted(by_format.items()))
+    recipe = {
+        "qpipe": {"description": f"searched mixed precision: {counts}",
+                  "calibration": dict(CALIBRATION), "recovery_threshold_pct": threshold,
+                  "search": {"how": how, "predicted_damage": round(choice.damage, 6),
+                             "weight_bytes": choice.bytes, **(extra or {})}},
+        "quantize_stage": {"quantize_modifiers": {"GPTQModifier": {
+            "ignore": ["lm_head", *by_format.get(KEEP, [])], "dampening_frac": 0.01,
+            "config_groups": groups}}},
+    }
+    head = (f"# Searched by qpipe: {how}.\n# Predicted damage (sum of per-unit KL on held-out "
+            f"text): {choice.damage:.6g} nats/token; weights {choice.bytes:,} bytes.\n")
+    return head + yaml.safe_dump(recipe, sort_keys=False, width=100)

@@ -1,0 +1,97 @@
+"""The choice of one format per unit: an integer program, solved exactly (scipy's ``milp``).
+
+Each unit (a group of layers vLLM runs as one GEMM, or one layer) takes exactly one format of
+its options; each option has a weight size and a damage (its KL divergence when that unit
+alone is quantized). The damage of a whole choice is predicted as the sum of its units'
+(additivity: an assumption, checked against the measured damage of the resulting model).
+Two questions: the least damage within a byte budget, or the fewest bytes within a damage
+budget. A budget no choice meets is an error naming the tightest budget that is met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One format for one unit: its weight bytes and its measured damage."""
+
+    format: str
+    bytes: int
+    damage: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The solver's answer: unit -> format, and its totals."""
+
+    formats: dict[str, str]
+    bytes: int
+    damage: float  # predicted: the sum of the units' damages
+
+
+def _check(options: dict[str, list[Option]]) -> None:
+    if not options:
+        raise ConfigError("no units to choose formats for (an empty sensitivity table)")
+    for unit, opts in options.items():
+        if not opts:
+            raise ConfigError(f"unit {unit!r} has no format to choose from")
+        names = [o.format for o in opts]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"unit {unit!r} lists a format twice: {names}")
+
+
+def _solve(options: dict[str, list[Option]], cost: str, bound_of: str, bound: float
+           ) -> Choice | None:
+    """Minimise the sum of ``cost`` subject to the sum of ``bound_of`` <= ``bound``."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    flat = [(unit, o) for unit, opts in options.items() for o in opts]
+    n, units = len(flat), list(options)
+    objective = np.array([float(getattr(o, cost)) for _, o in flat])
+    one_each = np.zeros((len(units), n))
+    for j, (unit, _) in enumerate(flat):
+        one_each[units.index(unit), j] = 1.0
+    limit = np.array([[float(getattr(o, bound_of)) for _, o in flat]])
+    result = milp(objective, integrality=np.ones(n), bounds=Bounds(0, 1),
+                  constraints=[LinearConstraint(one_each, 1, 1),
+                               LinearConstraint(limit, -np.inf, bound)])
+    if result.status != 0 or result.x is None:
+        return None
+    picked = [flat[j] for j in range(n) if result.x[j] > 0.5]
+    return Choice(formats={unit: o.format for unit, o in picked},
+                  bytes=sum(o.bytes for _, o in picked),
+                  damage=sum(o.damage for _, o in picked))
+
+
+def least_damage(options: dict[str, list[Option]], budget_bytes: int) -> Choice:
+    """The choice with the least predicted damage whose weights fit ``budget_bytes``."""
+    return _within(options, "damage", "bytes", budget_bytes, lambda tightest: (
+        f"no choice of formats fits {budget_bytes:,} bytes of weights: the smallest is "
+        f"{tightest:,.0f} bytes (every unit at its smallest format). Fix: BUDGET= at least "
+        f"{tightest:,.0f} bytes."))
+
+
+def fewest_bytes(options: dict[str, list[Option]], max_damage: float) -> Choice:
+    """The smallest weights whose predicted damage stays within ``max_damage``."""
+    return _within(options, "bytes", "damage", max_damage, lambda tightest: (
+        f"no choice of formats keeps the predicted damage within {max_damage:g}: the least is "
+        f"{tightest:g} (every unit at its least damaging format). Fix: a damage budget of at "
+        f"least {tightest:g}."))
+
+
+def _within(options: dict[str, list[Option]], cost: str, bound_of: str, bound: float,
+            unmeetable: Callable[[float], str]) -> Choice:
+    _check(options)
+    tightest = sum(min(getattr(o, bound_of) for o in opts) for opts in options.values())
+    if bound < tightest:
+        raise ConfigError(unmeetable(tightest))
+    found = _solve(options, cost, bound_of, bound + 1e-9 * max(1.0, abs(bound)))
+    assert found is not None  # feasible: the tightest choice meets the bound
+    return found

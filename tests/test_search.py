@@ -1,0 +1,142 @@
+"""Precision search, the parts built so far: fused units, the exact solver, the emitted recipe."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.core.errors import ConfigError
+from pipeline.search import recipe as searched
+from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
+from pipeline.search.units import fuse
+
+LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj",
+                                                                              "up_proj"]}
+
+
+def _linears(layers: int) -> list[str]:
+    return [f"model.layers.{i}.{part}" for i in range(layers) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+
+
+def test_layers_vllm_fuses_are_one_unit_and_the_rest_their_own():
+    units = fuse(_linears(2), LLAMA_PACKED)
+    assert list(units)[:4] == ["model.layers.0.self_attn.qkv_proj",
+                               "model.layers.0.self_attn.o_proj",
+                               "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"]
+    assert units["model.layers.1.self_attn.qkv_proj"] == [
+        "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj"]
+    assert len(units) == 8 and sum(map(len, units.values())) == 14
+    # an architecture whose vLLM class fuses only q, k, v (gpt-oss, Qwen3-MoE)
+    assert len(fuse(_linears(1), {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})) == 5
+
+
+def _table(seed: int, units: int = 6) -> dict[str, list[Option]]:
+    import random
+
+    rng = random.Random(seed)
+    return {f"u{i}": [Option("int4", 25, rng.uniform(0.5, 3.0)),
+                      Option("int8", 50, rng.uniform(0.05, 0.4)),
+                      Option("bf16", 100, 0.0)] for i in range(units)}
+
+
+def _brute_force(table: dict[str, list[Option]], budget: int) -> float:
+    best = float("inf")
+    for combo in itertools.product(*table.values()):
+        if sum(o.bytes for o in combo) <= budget:
+            best = min(best, sum(o.damage for o in combo))
+    return best
+
+
+@pytest.mark.parametrize("seed, budget", [(0, 150), (1, 200), (2, 330), (3, 425), (4, 600)])
+def test_the_solver_finds_the_known_optimum_of_a_synthetic_table(seed, budget):
+    table = _table(seed)
+    choice = least_damage(table, budget)
+    assert choice.bytes <= budget
+    assert choice.damage == pytest.approx(_brute_force(table, budget))  # exact, not greedy
+    assert set(choice.formats) == set(table)
+
+
+def test_a_case_where_greedy_by_damage_per_byte_is_wrong():
+    # two small units gain most per byte, but the budget is best spent on the big one
+    table = {"a": [Option("int4", 10, 1.0), Option("bf16", 20, 0.0)],
+             "b": [Option("int4", 10, 1.0), Option("bf16", 20, 0.0)],
+             "c": [Option("int4", 10, 2.5), Option("bf16", 30, 0.0)]}
+    choice = least_damage(table, 50)
+    assert choice.formats == {"a": "int4", "b": "int4", "c": "bf16"}
+    assert choice.damage == 2.0
+
+
+def test_the_smallest_model_within_a_damage_budget():
+    table = _table(7)
+    choice = fewest_bytes(table, 1.0)
+    assert choice.damage <= 1.0 + 1e-9
+    best = min(sum(o.bytes for o in combo) for combo in itertools.product(*table.values())
+               if sum(o.damage for o in combo) <= 1.0)
+    assert choice.bytes == best
+
+
+def test_a_budget_no_choice_meets_names_the_smallest_that_would():
+    table = _table(0)
+    with pytest.raises(ConfigError, match="the smallest is 150 bytes") as err:
+        least_damage(table, 149)
+    assert "BUDGET= at least 150" in str(err.value)
+    with pytest.raises(ConfigError, match="the least is 0"):
+        fewest_bytes(table, -1.0)
+    with pytest.raises(ConfigError, match="lists a format twice"):
+        least_damage({"u": [Option("int4", 1, 1.0), Option("int4", 2, 0.5)]}, 10)
+
+
+def test_the_emitted_recipe_puts_each_unit_in_one_group_and_says_how():
+    units = fuse(_linears(2), LLAMA_PACKED)
+    formats = {unit: ("int4" if "mlp" in unit else "int8" if "layers.0" in unit else "bf16")
+               for unit in units}
+    text = searched.recipe_text(Choice(formats, 1234, 0.05), units, "least damage within "
+                                "1,234 bytes", 99)
+    assert text.startswith("# Searched by qpipe: least damage within 1,234 bytes.")
+    data = yaml.safe_load(text)
+    gptq = data["quantize_stage"]["quantize_modifiers"]["GPTQModifier"]
+    groups = {name: set(g["targets"]) for name, g in gptq["config_groups"].items()}
+    assert set(groups) == {"group_int4", "group_int8"}
+    # fused layers never split: q, k and v of a layer are in the same group (or all ignored)
+    for unit, layers in units.items():
+        homes = {name for name, targets in groups.items() if set(layers) <= targets}
+        ignored = set(layers) <= set(gptq["ignore"])
+        assert len(homes) + ignored == 1, unit
+    assert "model.layers.1.self_attn.q_proj" in gptq["ignore"]
+    assert data["qpipe"]["search"]["predicted_damage"] == 0.05
+    with pytest.raises(ConfigError, match="fp4"):
+        searched.recipe_text(Choice(dict.fromkeys(units, "fp4"), 1, 0.0), units, "x", 99)
+
+
+@pytest.mark.slow
+def test_an_emitted_recipe_quantizes_a_tiny_model_as_chosen(tiny_model: Path, workspace: Path,
+                                                            tmp_path: Path):
+    from pipeline.quantize import baseline as baselines
+    from pipeline.quantize import recipes
+    from pipeline.quantize import stage as quantize
+
+    units = fuse(_linears(2), LLAMA_PACKED)
+    formats = {unit: "int8" if "self_attn" in unit else "int4" if "layers.0" in unit else "bf16"
+               for unit in units}
+    path = tmp_path / "searched-test.yaml"
+    text = searched.recipe_text(Choice(formats, 1, 0.1), units, "a test choice", 99)
+    path.write_text(text.replace("calibration/python-reference.jsonl", str(
+        Path(recipes.__file__).resolve().parents[2] / "recipes" / "calibration" /
+        "python-reference.jsonl")))
+    recipe = recipes.load(str(path)).with_calibration(num_samples=4, max_seq_length=32)
+    base = baselines.resolve(str(tiny_model))
+    manifest = quantize.quantize(base, recipe)
+    config = json.loads((workspace / "artifacts" / "variants" / base.name / recipe.name /
+                         "config.json").read_text())["quantization_config"]
+    assert manifest.format == config["format"] == "mixed-precision"
+    bits = {g["weights"]["num_bits"]: set(g["targets"]) for g in config["config_groups"].values()}
+    assert bits[8] == {n for n in _linears(2) if "self_attn" in n}
+    assert bits[4] == {n for n in _linears(1) if "mlp" in n}
+    assert not any("layers.1.mlp" in n for targets in bits.values() for n in targets)
