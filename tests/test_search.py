@@ -140,3 +140,37 @@ def test_an_emitted_recipe_quantizes_a_tiny_model_as_chosen(tiny_model: Path, wo
     assert bits[8] == {n for n in _linears(2) if "self_attn" in n}
     assert bits[4] == {n for n in _linears(1) if "mlp" in n}
     assert not any("layers.1.mlp" in n for targets in bits.values() for n in targets)
+
+
+@pytest.mark.slow
+def test_the_scan_measures_each_unit_alone_and_leaves_the_model_as_it_was(tiny_model: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.search.sensitivity import scan
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    windows = [list(range(3, 67)), list(range(100, 164))]
+    with torch.inference_mode():
+        before = model(torch.tensor([windows[0]])).logits
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and n != "lm_head"]
+    units = fuse(names, LLAMA_PACKED)
+    seen = []
+    table = scan(model, units, ["int4", "int8", "bf16"], windows,
+                 progress=lambda i, n, unit: seen.append((i, n)))
+    assert seen[-1] == (len(units), len(units))
+    by = {(d.unit, d.format): d for d in table}
+    assert len(by) == 3 * len(units)
+    for unit in units:
+        int4, int8, bf16 = (by[unit, f] for f in ("int4", "int8", "bf16"))
+        assert bf16.kl_div_mean == 0 and bf16.top1_agreement == 1
+        assert int4.bytes < int8.bytes < bf16.bytes
+        assert int4.kl_div_mean > 0 and int8.kl_div_mean >= 0
+    # 4 bits hurt more than 8 (summed over the model: single units can be noise-level)
+    assert sum(by[u, "int4"].kl_div_mean for u in units) > 4 * sum(
+        by[u, "int8"].kl_div_mean for u in units)
+    with torch.inference_mode():
+        after = model(torch.tensor([windows[0]])).logits
+    assert torch.equal(before, after)  # every layer put back as it was
+    assert not any(hasattr(m, "quantization_scheme") for m in model.modules())

@@ -1,0 +1,120 @@
+"""The damage of quantizing one unit alone: per unit and format, KL(baseline || variant) per
+token and top-1 agreement on held-out text, with the unit's weight bytes in that format.
+
+Each unit's layers are quantized with the field's own code: compressed-tensors' quantization
+scheme on those modules (the same arguments the emitted recipe gives GPTQ:
+:data:`pipeline.search.recipe.FORMATS`), weight scales from llmcompressor's observers,
+compressed-tensors' fake quantization in the forward pass (dynamic activations included); the
+layers are then put back as they were. Round-to-nearest, not GPTQ: the scan ranks units; the
+searched recipe's measured damage says how far the prediction holds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.eval.divergence import token_stats
+from pipeline.plan.architecture import Matrix
+from pipeline.plan.capacity import weight_formats
+from pipeline.search.recipe import FORMATS, KEEP
+from pipeline.search.solver import Option
+
+INT4_GROUP = FORMATS["int4"]["weights"]["group_size"]
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One unit in one format."""
+
+    unit: str
+    format: str
+    bytes: int
+    kl_div_mean: float  # nats per token
+    top1_agreement: float
+
+    def option(self) -> Option:
+        return Option(self.format, self.bytes, self.kl_div_mean)
+
+
+def unit_bytes(modules: list[Any], fmt: str) -> int:
+    """The unit's weights stored in ``fmt`` (the planner's storage formats)."""
+    storage = weight_formats(int4_group_size=INT4_GROUP)[fmt]
+    return sum(storage.matrix_bytes(Matrix(m.weight.shape[0], m.weight.shape[1]))
+               for m in modules)
+
+
+def _quantize_in_place(module: Any, fmt: str) -> None:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.initialize import (
+        initialize_module_for_quantization,
+    )
+    from llmcompressor.modifiers.quantization.calibration import (
+        freeze_module_quantization,
+        initialize_observer,
+        observe,
+        update_qparams,
+    )
+
+    spec = FORMATS[fmt]
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**spec["weights"]),
+        input_activations=QuantizationArgs(**spec["input_activations"])
+        if "input_activations" in spec else None)
+    initialize_module_for_quantization(module, scheme)
+    initialize_observer(module, "weight")
+    observe(module, "weight")
+    update_qparams(module, "weight")
+    freeze_module_quantization(module)
+
+
+def _log_probs(model: Any, windows: list[list[int]]) -> list[Any]:
+    import torch
+
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([w])).logits[0, :-1].float(), dim=-1)
+                for w in windows]
+
+
+def scan(model: Any, units: dict[str, list[str]], formats: list[str],
+         windows: list[list[int]], progress: Callable[[int, int, str], None] | None = None
+         ) -> list[Damage]:
+    """Every unit in every format of ``formats`` (bf16: no damage, not run), on ``model``
+    as loaded (left as it was)."""
+    import torch
+
+    for fmt in formats:
+        if fmt != KEEP and fmt not in FORMATS:
+            raise ValueError(f"format {fmt!r} is not one of {', '.join([*FORMATS, KEEP])}")
+    named = dict(model.named_modules())
+    base = _log_probs(model, windows)
+    targets = [torch.tensor(w[1:]) for w in windows]
+    out = []
+    for i, (unit, names) in enumerate(units.items()):
+        modules = [named[n] for n in names]
+        for fmt in formats:
+            if fmt == KEEP:
+                out.append(Damage(unit, fmt, unit_bytes(modules, fmt), 0.0, 1.0))
+                continue
+            originals = {n: copy.deepcopy(named[n]) for n in names}
+            try:
+                for n in names:
+                    _quantize_in_place(named[n], fmt)
+                varied = _log_probs(model, windows)
+            finally:
+                for n, original in originals.items():
+                    parent, _, leaf = n.rpartition(".")
+                    setattr(model.get_submodule(parent), leaf, original)
+                    named[n] = original
+            kl = agree = count = 0.0
+            for b, v, t in zip(base, varied, targets, strict=True):
+                stats = token_stats(b, v, t)
+                kl += float(stats["kl"].sum())
+                agree += float(stats["agree"].sum())
+                count += len(t)
+            out.append(Damage(unit, fmt, unit_bytes(modules, fmt), kl / count, agree / count))
+        if progress:
+            progress(i + 1, len(units), unit)
+    return out
