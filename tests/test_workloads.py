@@ -119,11 +119,17 @@ def test_a_prompt_file_workload_replays_the_users_requests(tmp_path: Path) -> No
 ])
 def test_a_malformed_prompt_file_names_the_line(tmp_path: Path, lines: str, line: int,
                                                 message: str) -> None:
-    (tmp_path / "p.jsonl").write_text(lines)
-    (tmp_path / "w.yaml").write_text(CUSTOM)
+    _assert_names_the_line(tmp_path, CUSTOM, "p.jsonl", lines, line, message)
+
+
+def _assert_names_the_line(tmp_path: Path, workload: str, name: str, lines: str, line: int,
+                           message: str) -> None:
+    """A workload over a malformed request file: an error matching ``message`` at the line."""
+    (tmp_path / name).write_text(lines)
+    (tmp_path / "w.yaml").write_text(workload)
     with pytest.raises(ConfigError, match=message) as err:
         workloads.load(str(tmp_path / "w.yaml"))
-    assert f"{tmp_path / 'p.jsonl'}, line {line}:" in str(err.value)
+    assert f"{tmp_path / name}, line {line}:" in str(err.value)
 
 
 def test_a_missing_or_empty_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -180,11 +186,7 @@ def test_a_timed_trace_is_replayed_whole_at_its_own_pace(tmp_path: Path) -> None
 ])
 def test_a_malformed_trace_names_the_line(tmp_path: Path, lines: str, line: int,
                                           message: str) -> None:
-    (tmp_path / "t.jsonl").write_text(lines)
-    (tmp_path / "w.yaml").write_text(TRACE)
-    with pytest.raises(ConfigError, match=message) as err:
-        workloads.load(str(tmp_path / "w.yaml"))
-    assert f"{tmp_path / 't.jsonl'}, line {line}:" in str(err.value)
+    _assert_names_the_line(tmp_path, TRACE, "t.jsonl", lines, line, message)
 
 
 def test_the_shipped_sample_trace_loads() -> None:

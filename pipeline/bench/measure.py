@@ -39,7 +39,6 @@ from pipeline.serve import (
 from pipeline.serve.server import describe_command
 
 log = qlog.get("bench")
-PREEMPTIONS = "preemptions"  # added to each client result: the engine's, over that run
 HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
 
 
@@ -190,7 +189,7 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
     if info is None:
         return
     config = json.loads((record.variant.path / "config.json").read_text())
-    record.engine["kv_cache_dtype"] = kv_dtype(settings, config)
+    cache_dtype = record.engine["kv_cache_dtype"] = kv_dtype(settings, config)
     record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
                  tracking.MAX_CONCURRENCY: info.max_concurrency,
                  "kv_block_size": info.block_size, "kv_num_blocks": info.num_blocks}
@@ -207,7 +206,7 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
     record.kv[tracking.KV_CACHE_MEMORY_BYTES] = budget
     planned = capacity.predict_vllm_kv_cache(
         config, budget, block_size=info.block_size or (128 if server.target == "cpu" else 16),
-        kv_dtype=kv_dtype(settings, config), max_model_len=settings.max_model_len)
+        kv_dtype=cache_dtype, max_model_len=settings.max_model_len)
     record.kv.update({
         capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
         capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
@@ -311,7 +310,7 @@ def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, st
                         f"{name}-{step.key}-c{step.concurrency}-r{step.repeat}", step.repeat)
     samples = engine_metrics.parse(server.metrics_text())
     after = engine_metrics.prefix_cache_counters(samples)
-    result[PREEMPTIONS] = engine_metrics.preemptions(samples) - preempted
+    result[tracking.PREEMPTIONS] = engine_metrics.preemptions(samples) - preempted
     queries, hits = after[0] - before[0], after[1] - before[1]
     rate = hits / queries if queries else 0.0
     expected = step.workload.expected_prefix_hit_rate(

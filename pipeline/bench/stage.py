@@ -35,9 +35,9 @@ log = qlog.get("bench")
 def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSettings,
               target: str) -> str:
     payload = {"models": [(m.recipe, m.identity) for m in models],
-               "workloads": [{**dataclasses.asdict(w), "path": w.name,
-                              "prompts": w.file_sha256, "trace": w.file_sha256}
-                             for w in loads],
+               # a request file counts by its content (file_sha256), not where it lies
+               "workloads": [{**dataclasses.asdict(w), "path": w.name, "prompts": "",
+                              "trace": ""} for w in loads],
                "engine": settings.model_dump(), "target": target, "vllm": vllm_version(),
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()

@@ -52,8 +52,7 @@ def _percentile_metrics(results: list[dict]) -> dict[str, str]:
     for key in (results[0] if results else {}):
         head, _, rest = key.partition("_")
         if head[:1] == "p" and head[1:].isdigit() and rest.endswith("_ms"):
-            metric = rest[:-3].replace("e2el", "e2e")
-            found[key] = f"{metric}_ms_{head}"
+            found[key] = _latency_key(rest[:-3], int(head[1:]))
     return found
 
 

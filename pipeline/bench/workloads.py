@@ -21,6 +21,7 @@ points: each model's capacity at the objective is searched for (``search_ceiling
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -208,23 +209,13 @@ def load(name_or_path: str) -> Workload:
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise ConfigError(f"{path}: {dataset} needs a positive integer {key!r}.")
     if dataset == "custom":
-        if not data.get("prompts"):
-            raise ConfigError(f"{path}: a custom workload names its prompt file: prompts: "
-                              "FILE.jsonl (one {\"prompt\": ..., \"output_tokens\": N} per "
-                              "line; docs/workloads.md).")
-        prompts = request_files.check((path.parent / data["prompts"]).resolve(),
-                                      needs_output=not data.get("output_len"))
-        data = {**data, "prompts": str(prompts),
-                "file_sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+        data = _request_file(path, data, "prompts", "a custom workload names its prompt file",
+                             request_files.FORMAT, lambda p: request_files.check(
+                                 p, needs_output=not data.get("output_len")))
     if dataset == "timed_trace":
-        if not data.get("trace"):
-            raise ConfigError(f"{path}: a timed_trace workload names its trace: trace: "
-                              f"FILE.jsonl (one {request_files.TRACE_FORMAT} per line; "
-                              "docs/workloads.md).")
-        trace = request_files.check_trace((path.parent / data["trace"]).resolve(),
-                                          int(data.get("trace_chunk_size", 16)))
-        data = {**data, "trace": str(trace),
-                "file_sha256": hashlib.sha256(trace.read_bytes()).hexdigest()}
+        data = _request_file(path, data, "trace", "a timed_trace workload names its trace",
+                             request_files.TRACE_FORMAT, lambda p: request_files.check_trace(
+                                 p, int(data.get("trace_chunk_size", 16))))
     slo = _objective(path, data)
     if slo is not None and ("load_points" in data or "headline" in data):
         raise ConfigError(f"{path}: a workload with an slo searches for its load points: remove "
@@ -257,6 +248,17 @@ def load(name_or_path: str) -> Workload:
                           "compare_prefix_caching: true (speed sweeps run with caching off).")
     return Workload(name=path.stem, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
                     **values)
+
+
+def _request_file(path: Path, data: dict[str, Any], key: str, what: str, shape: str,
+                  check: Callable[[Path], Path]) -> dict[str, Any]:
+    """``data`` with ``key``'s file resolved against the workload's folder, checked, and its
+    content's hash (``file_sha256``)."""
+    if not data.get(key):
+        raise ConfigError(f"{path}: {what}: {key}: FILE.jsonl (one {shape} per line; "
+                          "docs/workloads.md).")
+    found = check((path.parent / data[key]).resolve())
+    return {**data, key: str(found), "file_sha256": hashlib.sha256(found.read_bytes()).hexdigest()}
 
 
 def _objective(path: Path, data: dict[str, Any]) -> Objective | None:

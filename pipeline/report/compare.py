@@ -273,11 +273,12 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)} "
                           "(OBJECTIVE= in make, --objective in the CLI).")
-    target, plan_note = resolve_plan_target(target or PlanTarget(), hardware.profile())
+    prof = hardware.profile()
+    target, plan_note = resolve_plan_target(target or PlanTarget(), prof)
     rows, identities = _rows(base, recipes)
     config = json.loads((base.path / "config.json").read_text())
     summaries = BenchSummary.all(base.name)
-    reference = reference_run(summaries, identities, hardware.profile().key())
+    reference = reference_run(summaries, identities, prof.key())
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
     traffic = _traffic(summaries, identities[BASELINE])
@@ -308,8 +309,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                     "baseline run, so it is shown but not compared or recommended; "
                     "`make bench` measures every variant in one run")
             if row.serving == "ok" and not row.capacity:
-                _newest_capacity(row, identities[row.name], summaries,
-                                 hardware.profile().key())
+                _newest_capacity(row, identities[row.name], summaries, prof.key())
             if row.serving == "failed":
                 failed.append({"variant": row.name, "stage": "bench",
                                "reason": row.serving_reason, "log": row.serving_log})
@@ -325,7 +325,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             _apply_eval(row, evaluated, base, identities[row.name])
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
     cost_target = cost_target or CostTarget()
-    priced = price(cost_target, hardware.profile())
+    priced = price(cost_target, prof)
     for row in rows:
         if row.serving == "ok" and row.comparable:
             row.cost = cost.figures(row, priced["price_per_hour"], cost_target)

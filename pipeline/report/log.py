@@ -43,9 +43,9 @@ def child_metrics(row: Row) -> dict[str, float]:
         if row.peak_memory_bytes:
             m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
         m.update(row.prefix)
-        m.update({k: float(v) for k, v in row.capacity.items() if k.startswith("slo_")
-                  and isinstance(v, (int, float)) and not isinstance(v, bool)})
-        m.update({k: float(v) for k, v in row.cost.items()
+        numbers = {**{k: v for k, v in row.capacity.items() if k.startswith("slo_")},
+                   **row.cost}
+        m.update({k: float(v) for k, v in numbers.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for suite, fig in row.suites.items():
         if fig.get("recovery_pct") is not None:

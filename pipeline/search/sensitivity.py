@@ -20,7 +20,6 @@ from pipeline.eval.divergence import token_stats
 from pipeline.plan.architecture import Matrix
 from pipeline.plan.capacity import weight_formats
 from pipeline.search.recipe import FORMATS, KEEP
-from pipeline.search.solver import Option
 
 INT4_GROUP = FORMATS["int4"]["weights"]["group_size"]
 
@@ -34,9 +33,6 @@ class Damage:
     bytes: int
     kl_div_mean: float  # nats per token
     top1_agreement: float
-
-    def option(self) -> Option:
-        return Option(self.format, self.bytes, self.kl_div_mean)
 
 
 def unit_bytes(modules: list[Any], fmt: str) -> int:
