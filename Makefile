@@ -49,6 +49,13 @@ SLO_ITL_MS    ?=
 PRICE_PER_HOUR ?=
 TARGET_USERS  ?=
 TARGET_RPS    ?=
+# precision search: the menu (default: every format vLLM serves here, and bf16), the held-out
+# tokens each unit is scored on, and the budget (130MB | 0.45 | 45% | 1.15xint4) or MAX_DAMAGE
+FORMATS       ?=
+SCAN_TOKENS   ?=
+BUDGET        ?=
+MAX_DAMAGE    ?=
+NAME          ?=
 # planner (MAX_CONTEXT empty: the model's maximum)
 MODEL         ?= gpt-oss-120b
 GPU           ?= h100-80gb
@@ -86,13 +93,14 @@ SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SL
 COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 
-.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean
+.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean sensitivity search
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
 	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
+	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE NAME (sensitivity, search)"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
@@ -153,6 +161,17 @@ eval: $(PIPELINE_STAMP) $(SERVE_STAMP) ## lm-eval scores and recovery: RECIPE=in
 gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its recipe's threshold
 	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(call opt,--threshold,$(THRESHOLD)) $(call opt,--level,$(GATE_LEVEL))
+
+SCAN_OPTS = $(foreach f,$(FORMATS),--format $(f)) $(call opt,--scan-tokens,$(SCAN_TOKENS))
+
+# the fusions are read from vLLM (serving environment); the menu from what it serves here
+sensitivity: $(PIPELINE_STAMP) $(SERVE_STAMP) ## damage of each unit quantized alone, per format: table, heat-map, MLflow
+	@$(QPIPE) sensitivity --baseline $(BASELINE) $(SCAN_OPTS) $(if $(FORCE),--force)
+
+search: $(PIPELINE_STAMP) $(SERVE_STAMP) ## a mixed-precision recipe: BUDGET=1.15xint4 (or MAX_DAMAGE=) -> recipes/searched-*.yaml
+	@$(QPIPE) search --baseline $(BASELINE) $(SCAN_OPTS) $(call opt,--budget,$(BUDGET)) \
+	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--name,$(NAME)) \
+	  $(call opt,--threshold,$(THRESHOLD))
 
 suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
 	@$(QPIPE) suites

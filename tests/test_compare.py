@@ -267,3 +267,42 @@ def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> No
     # KV figures read from the start-up log carry no block size: no crash, no rounding
     row.kv = {tracking.KV_CACHE_TOKENS: 46_592, "kv_block_size": 0}
     assert row.served_concurrency(2048) == 22 and row.served_concurrency(2000) == 23
+
+
+def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_path: Path):
+    searched = _row("searched-1.15xint4", 0.9, gate.PASS)
+    searched.search = {"predicted_kl": 0.02, "predicted_weight_bytes": 130_000_000,
+                       "basis": "searched: least predicted damage within 1.15x uniform int4"}
+    searched.divergence = {"kl_div_mean": 0.03}
+    uniform = _row("int4", 0.8, gate.PASS)
+    uniform.search = {"predicted_kl": 0.08, "predicted_weight_bytes": 113_000_000,
+                      "basis": "every unit at int4 in the sensitivity table"}
+    comparison = _comparison([_baseline(), uniform, searched])
+    lines = report.search_lines(comparison)
+    assert lines[0].startswith("precision search, additivity checked")
+    assert "searched-1.15xint4: predicted KL 0.0200" in lines[2]
+    assert "measured 0.0300 on the held-out text" in lines[2] and "= 1.50x the prediction" in lines[2]
+    assert "int4: predicted KL 0.0800" in lines[1] and "not measured" in lines[1]
+    assert any("predicted KL 0.0200" in n for n in report.markdown(comparison).splitlines())
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(comparison))))
+    assert rows[2]["predicted_kl"] == "0.02" and rows[2]["kl_div_mean"] == "0.03"
+    name, svg = plots.plot_size(comparison)
+    assert name == "size" and "searched-1.15xint4 predicted" in svg
+
+
+def test_a_mixed_precision_variant_is_planned_from_its_measured_bytes():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576,
+              "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+              "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    target = PlanTarget(gpu="h100-80gb", context=2048, max_context=8192)
+    rows = {}
+    for name, precision, ratio in (("dense", "bf16", 1.0), ("mix", compare.MIXED, 0.45)):
+        rows[name] = Row(name=name, recipe=name, scheme="W4A16-G64+W8A8", format="x",
+                         precision=precision, weight_bytes=int(269e6 * ratio), weight_ratio=ratio)
+        compare._apply_plan(rows[name], config, target)
+    dense, mix = rows["dense"].plan, rows["mix"].plan
+    assert mix["planned_weight_bytes"] == int(dense["planned_weight_bytes"] * 0.45)
+    assert mix["planned_kv_budget_bytes"] - dense["planned_kv_budget_bytes"] == pytest.approx(
+        dense["planned_weight_bytes"] * 0.55, abs=2)
+    assert any("mixed precision" in n for n in rows["mix"].notes)

@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.core import paths
+from pipeline.core.artifacts import SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError
+from pipeline.search import budget as budgets
+from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
+from pipeline.search import stage
+from pipeline.search import table as tables
+from pipeline.search.settings import SearchSettings
 from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
 from pipeline.search.units import fuse
 
@@ -158,7 +165,7 @@ def test_the_scan_measures_each_unit_alone_and_leaves_the_model_as_it_was(tiny_m
     units = fuse(names, LLAMA_PACKED)
     seen = []
     table = scan(model, units, ["int4", "int8", "bf16"], windows,
-                 progress=lambda i, n, unit: seen.append((i, n)))
+                 progress=lambda i, n, damages: seen.append((i, n)))
     assert seen[-1] == (len(units), len(units))
     by = {(d.unit, d.format): d for d in table}
     assert len(by) == 3 * len(units)
@@ -174,3 +181,121 @@ def test_the_scan_measures_each_unit_alone_and_leaves_the_model_as_it_was(tiny_m
         after = model(torch.tensor([windows[0]])).logits
     assert torch.equal(before, after)  # every layer put back as it was
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
+
+
+# --- the stages: sensitivity table -> budget -> choice -> recipe ---------------------------------
+def _sensitivity_table(units: int = 4) -> SensitivityTable:
+    layers = {f"model.layers.{i}.{kind}": [f"model.layers.{i}.{kind}"]
+              for i in range(units // 2) for kind in ("self_attn.o_proj", "mlp.down_proj")}
+    damages = []
+    for i, unit in enumerate(layers):
+        for fmt, size, kl in (("int4", 30, 0.01 * (i + 1)), ("int8", 55, 0.001 * (i + 1)),
+                              ("bf16", 100, 0.0)):
+            damages.append(UnitDamage(unit=unit, format=fmt, bytes=size, kl_div_mean=kl,
+                                      top1_agreement=1 - kl))
+    return SensitivityTable(
+        cache_key="k", baseline={"name": "toy"}, architecture="LlamaForCausalLM",
+        fusions={}, fusion_source="test", formats=["int4", "int8", "bf16"], units=layers,
+        damages=damages, fixed_bytes=200, baseline_weight_bytes=200 + 100 * len(layers),
+        text="t", text_sha256="s", tokens=10, method="m", device="cpu", dtype="float32",
+        seconds=1.0)
+
+
+def test_budgets_read_as_bytes_shares_and_multiples_of_a_uniform_format():
+    table = _sensitivity_table()  # uniform int4: 200 + 4 x 30 = 320 bytes; baseline 600
+    assert budgets.parse("1.25xint4", table)[0] == 400
+    assert budgets.parse("50%", table)[0] == budgets.parse("0.5", table)[0] == 300
+    assert budgets.parse("1kB", table)[0] == 1000
+    assert budgets.parse("1.3e2", table)[0] == 130
+    assert budgets.parse("2MiB", table)[0] == 2 * 2**20
+    with pytest.raises(ConfigError, match="fp8 is not in the sensitivity table's menu"):
+        budgets.parse("1.1xfp8", table)
+    with pytest.raises(ConfigError, match="BUDGET=lots: not a budget"):
+        budgets.parse("lots", table)
+    assert budgets.slug("45%") == "45pct" and budgets.slug("1.15xint4") == "1.15xint4"
+
+
+def test_the_search_chooses_within_the_budget_over_the_whole_model():
+    table = _sensitivity_table()
+    choice, how, name = stage.choose(table, SearchSettings(budget="1.25xint4"))
+    assert choice.bytes <= 400 and name == "searched-1.25xint4"
+    assert "1.25x uniform int4 (320 bytes)" in how
+    # 80 bytes above uniform int4 buy three int4 -> int8 upgrades (25 each): the three costliest
+    assert sorted(choice.formats.values()) == ["int4", "int8", "int8", "int8"]
+    assert choice.formats[next(iter(table.units))] == "int4"  # the least sensitive unit stays
+    assert (choice.bytes, choice.damage) == pytest.approx(table.predicted(choice.formats))
+    smallest, _, name = stage.choose(table, SearchSettings(max_damage=0.05))
+    assert smallest.damage <= 0.05 and name == "searched-kl0.05"
+    with pytest.raises(ConfigError, match=r"exactly one of BUDGET= .* and MAX_DAMAGE="):
+        stage.choose(table, SearchSettings(budget="0.9", max_damage=0.1))
+    with pytest.raises(ConfigError, match="do not even hold the weights no format changes"):
+        stage.choose(table, SearchSettings(budget="150"))
+    with pytest.raises(ConfigError, match=r"the smallest is 320 bytes .* BUDGET= at least 320"):
+        stage.choose(table, SearchSettings(budget="310"))
+
+
+def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPatch):
+    reason = "_C_AVX2 has no cpu_gemm_wna16 (CPUWNA16 kernel) (probe)"
+    monkeypatch.setattr(menus, "support", lambda: {"int4": (False, reason),
+                                                   "int8": (True, "oneDNN (probe)")})
+    assert menus.resolve(None) == ["int8", "bf16"]
+    with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine: "
+                       "_C_AVX2 has no cpu_gemm_wna16"):
+        menus.resolve(["int4", "bf16"])
+    with pytest.raises(ConfigError, match="FORMATS=mxfp4: not offered"):
+        menus.resolve(["mxfp4"])
+    with pytest.raises(ConfigError, match="FORMATS=int3: not a format the search knows"):
+        menus.resolve(["int3"])
+    assert menus.resolve(["INT8", "int8"]) == ["int8", "bf16"]
+
+
+def test_the_table_is_shown_as_layers_by_unit_kinds(tmp_path: Path):
+    table = _sensitivity_table()
+    text = tables.render(table)
+    assert "int4: KL x 1e-3 per unit" in text and "o_proj" in text and "down_proj" in text
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert rows[0][:3] == ["0", "10.000", "20.000"]  # layer 0: o_proj, down_proj at int4
+    assert "most sensitive: model.layers.1.mlp.down_proj 0.0400" in text
+    assert tables.heatmap(table, tmp_path / "h.png").stat().st_size > 1000
+
+
+@pytest.mark.serve
+def test_sensitivity_and_search_on_a_tiny_model_give_a_recipe_whose_bytes_are_as_predicted(
+        tiny_model: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture):
+    from pipeline.quantize import baseline as baselines
+    from pipeline.quantize import recipes
+    from pipeline.quantize import stage as quantize
+    from pipeline.search.settings import ScanOptions, SensitivitySettings
+
+    scan_options = ScanOptions(formats=["int8", "int4"], scan_tokens=64)
+    table = stage.sensitivity(SensitivitySettings(baseline=str(tiny_model), scan=scan_options))
+    assert table.formats == ["int8", "int4", "bf16"] and len(table.units) == 8
+    assert table.fusions["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]  # read from vLLM
+    assert table.uniform("int4")[1] > table.uniform("int8")[1] > 0
+    again = stage.sensitivity(SensitivitySettings(baseline=str(tiny_model), scan=scan_options))
+    assert again == table  # cached by content: nothing measured twice
+    shown = SensitivityTable.root(table.baseline["name"]) / "int8+int4+bf16"
+    assert (shown / "sensitivity.png").is_file() and (shown / "sensitivity.txt").is_file()
+
+    recipes_dir = tmp_path / "recipes"
+    (recipes_dir / "calibration").mkdir(parents=True)
+    (recipes_dir / "calibration" / "python-reference.jsonl").write_text(
+        (paths.CALIBRATION_DIR / "python-reference.jsonl").read_text())
+    monkeypatch.setattr(paths, "RECIPES_DIR", recipes_dir)
+    path = stage.run_search(SearchSettings(baseline=str(tiny_model), budget="1.3xint4",
+                                           scan=scan_options))
+    assert path == recipes_dir / "searched-1.3xint4.yaml"
+    block = yaml.safe_load(path.read_text())["qpipe"]["search"]
+    assert block["weight_bytes"] <= 1.3 * table.uniform("int4")[0]
+    assert block["sensitivity"] == table.cache_key
+    (recipes_dir / "int4.yaml").write_text((paths.PROJECT_ROOT / "recipes/int4.yaml").read_text())
+    with pytest.raises(ConfigError, match="a recipe that was not searched"):
+        stage.run_search(SearchSettings(baseline=str(tiny_model), budget="1.3xint4",
+                                        name="int4", scan=scan_options))
+
+    recipe = recipes.load(str(path)).with_calibration(num_samples=4, max_seq_length=32)
+    manifest = quantize.quantize(baselines.resolve(str(tiny_model)), recipe)
+    # the byte model the solver used is the checkpoint's: predicted = stored, to 1%
+    assert manifest.weight_bytes == pytest.approx(block["weight_bytes"], rel=0.01)
+    assert manifest.format == "mixed-precision" or block["units"]["int4"] in (0, 8)

@@ -120,6 +120,63 @@ def manifests(baseline: str, recipes: list[str] | None = None) -> dict[str, Mani
     return found
 
 
+# --- sensitivity (precision search) -------------------------------------------------------------
+class UnitDamage(BaseModel):
+    """One unit quantized alone in one format: its bytes and the damage on held-out text."""
+
+    unit: str
+    format: str
+    bytes: int
+    kl_div_mean: float  # nats per token, KL(baseline || this unit quantized)
+    top1_agreement: float
+
+
+class SensitivityTable(Artifact):
+    """``artifacts/sensitivity/<baseline>/<menu>/sensitivity.json``: every unit in every format
+    of the menu (``qpipe sensitivity``), what ``qpipe search`` chooses from."""
+
+    FILE: ClassVar[str] = "sensitivity.json"
+    DIR: ClassVar[str] = "sensitivity"
+    cache_key: str  # baseline identity, menu, text, tokens, fusions, libraries, method
+    baseline: dict[str, str]
+    architecture: str
+    fusions: dict[str, list[str]]  # vLLM's packed_modules_mapping for the architecture
+    fusion_source: str
+    formats: list[str]
+    units: dict[str, list[str]]  # unit -> its layers (one GEMM in vLLM)
+    damages: list[UnitDamage]
+    fixed_bytes: int  # weights outside every unit (embeddings, norms): the same in any choice
+    baseline_weight_bytes: int
+    text: str
+    text_sha256: str
+    tokens: int
+    method: str
+    device: str
+    dtype: str
+    seconds: float
+    libraries: dict[str, str] = Field(default_factory=dict)
+
+    @staticmethod
+    def menu_name(formats: list[str]) -> str:
+        return "+".join(formats)
+
+    def damage(self, unit: str, fmt: str) -> UnitDamage:
+        for entry in self.damages:
+            if entry.unit == unit and entry.format == fmt:
+                return entry
+        raise KeyError((unit, fmt))
+
+    def predicted(self, choice: dict[str, str]) -> tuple[int, float]:
+        """(total weight bytes, summed damage) of unit -> format ``choice``."""
+        picked = [self.damage(unit, choice[unit]) for unit in self.units]
+        return (self.fixed_bytes + sum(d.bytes for d in picked),
+                sum(d.kl_div_mean for d in picked))
+
+    def uniform(self, fmt: str) -> tuple[int, float]:
+        """(bytes, summed damage) with every unit in ``fmt``."""
+        return self.predicted(dict.fromkeys(self.units, fmt))
+
+
 # --- bench --------------------------------------------------------------------------------------
 class WorkloadFigures(BaseModel):
     """One model's figures for one workload: per load point, and the cache counters."""
@@ -299,6 +356,9 @@ class Row(BaseModel):
     suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
     tasks: dict[str, TaskEntry] = Field(default_factory=dict)
     divergence: dict[str, float] = Field(default_factory=dict)
+    # a precision search's prediction for this variant: predicted_kl, predicted_weight_bytes,
+    # basis (the searched recipe, or the sensitivity table with every unit in one format)
+    search: dict[str, Any] = Field(default_factory=dict)
     threshold: float | None = None
     gate_status: str = NOT_EVALUATED
     gate_reason: str = ""

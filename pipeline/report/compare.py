@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.core import hardware
 from pipeline.core.artifacts import (
     EMULATED,
@@ -27,6 +29,7 @@ from pipeline.core.artifacts import (
     PlanTarget,
     RecoverySummary,
     Row,
+    SensitivityTable,
     manifests,
 )
 from pipeline.core.errors import ConfigError, PlanError
@@ -42,12 +45,13 @@ from pipeline.quantize import checkpoint
 from pipeline.report import cost, crossover
 from pipeline.report.recommend import OBJECTIVES, recommend
 
+MIXED = "mixed"  # a searched recipe: formats per layer (planned from its measured bytes)
 DEFAULT_PLAN_GPU = "h100-80gb"  # where the planner places variants on a host without a GPU
 # compressed-tensors format -> the planner's weight precision
 PRECISION_OF_FORMAT = {
     "dense": "bf16", "float-quantized": "fp8", "naive-quantized": "int8",
     "int-quantized": "int8", "pack-quantized": "int4", "mxfp4-pack-quantized": "mxfp4",
-    "nvfp4-pack-quantized": "nvfp4",
+    "nvfp4-pack-quantized": "nvfp4", "mixed-precision": MIXED,
 }
 
 
@@ -96,12 +100,34 @@ def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget) -> None:
     _, _, tail = row.scheme.rpartition("-G")
     group = int(tail) if tail.isdigit() else 128
     try:
-        plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group,
-                                                            row.kv_dtype))
+        if row.precision == MIXED:
+            plan, weights = _plan_mixed(row, config, target)
+        else:
+            plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group,
+                                                                row.kv_dtype))
+            weights = plan.weight_bytes
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
         return
     row.plan = plan.metrics()  # the planner's own names (planned_*), as `qpipe plan --json`
+    row.plan[capacity.WEIGHT_BYTES] = weights
+
+
+def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget
+                ) -> tuple[capacity.CapacityPlan, int]:
+    """A layer-by-layer mix has no one precision: its planned weights are the bf16 plan's
+    scaled by the checkpoint's measured ratio to the baseline, and the KV cache gets the rest."""
+    import dataclasses
+
+    settings = plan_settings(target, "bf16", 128, row.kv_dtype)
+    dense = capacity.plan_capacity(config, settings)
+    weights = int(dense.weights["bf16"].total_bytes * row.weight_ratio)
+    budget = settings.kv_budget_bytes or capacity.kv_budget(
+        settings.memory_bytes or 0, settings.utilization, weights, settings.reserve_bytes)
+    plan = capacity.plan_capacity(config, dataclasses.replace(settings, kv_budget_bytes=budget))
+    row.notes.append("plan: mixed precision, planned with the bf16 weights scaled by the "
+                     f"checkpoint's measured {row.weight_ratio:.3f}")
+    return plan, weights
 
 
 # --- bench: one reference run -------------------------------------------------------------------
@@ -245,6 +271,39 @@ def _apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity
                          + f" (make eval RECIPE={row.name})")
 
 
+# --- precision search: predicted against measured damage ----------------------------------------
+def _tables(base: BaselineLike) -> list[SensitivityTable]:
+    """This baseline's sensitivity tables, newest first."""
+    found = []
+    for path in SensitivityTable.root(base.name).glob(f"*/{SensitivityTable.FILE}"):
+        table = SensitivityTable.read(path)
+        if table is not None and table.baseline.get("identity") == base.identity:
+            found.append((path.stat().st_mtime, table))
+    return [t for _, t in sorted(found, key=lambda x: -x[0])]
+
+
+def _apply_search(row: Row, base: BaselineLike, tables: list[SensitivityTable]) -> None:
+    """What the sensitivity model predicted for this variant: a searched recipe's own
+    prediction, or, for a uniform int4/int8 recipe, the table with every unit in its format."""
+    recipe = variant_dir(base.name, row.recipe) / "qpipe_recipe.yaml"
+    try:
+        block = (yaml.safe_load(recipe.read_text()) or {}).get("qpipe") or {}
+    except (OSError, yaml.YAMLError):
+        block = {}
+    found = block.get("search")
+    if isinstance(found, dict) and "predicted_damage" in found:
+        row.search = {"predicted_kl": float(found["predicted_damage"]),
+                      "predicted_weight_bytes": int(found.get("weight_bytes") or 0),
+                      "basis": f"searched: {found.get('how', '?')}"}
+        return
+    table = next((t for t in tables if row.recipe in t.formats), None)
+    if table is not None:
+        size, damage = table.uniform(row.recipe)
+        row.search = {"predicted_kl": damage, "predicted_weight_bytes": size,
+                      "basis": f"every unit at {row.recipe} in the sensitivity table "
+                               "(round-to-nearest)"}
+
+
 # --- the join -----------------------------------------------------------------------------------
 def _rows(base: BaselineLike, recipes: list[str] | None) -> tuple[list[Row], dict[str, str]]:
     base_bytes = checkpoint.measure(base.path).weight_bytes
@@ -288,8 +347,11 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                        "hardware": ref.hardware.get("summary", "unknown"),
                        "pairing": ref.speedup_pairing}
     failed = list(failures or [])
+    tables = _tables(base)
     for row in rows:
         _apply_plan(row, config, target)
+        if row.name != BASELINE:
+            _apply_search(row, base, tables)
         in_reference = _holds(reference[1], row.name, identities[row.name]) \
             if reference is not None else None
         found = (reference[0], reference[1], in_reference) if reference and in_reference \

@@ -178,4 +178,41 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
     return "capacity", _svg(fig)
 
 
-PLOTS = (plot_pareto, plot_memory, plot_latency, plot_capacity, plot_tasks)
+def plot_size(comparison: Comparison) -> tuple[str, str]:
+    """The memory Pareto front: recovery against weight bytes (left), and measured held-out KL
+    against weight bytes with the sensitivity model's prediction beside it (right)."""
+    plt = _pyplot()
+    suite = _primary_suite(comparison)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, row in enumerate(comparison.rows):
+        mb = row.weight_bytes / 1e6
+        color = colors[i % len(colors)]
+        fig_s = row.suites.get(suite or "", {})
+        if row.name == BASELINE:
+            left.scatter([mb], [100.0], marker="*", s=120, color="black", zorder=3)
+            left.annotate("baseline", (mb, 100.0), textcoords="offset points", xytext=(-40, 4))
+        elif fig_s.get("recovery_pct") is not None:
+            y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
+            left.errorbar([mb], [y], yerr=[[y - low], [high - y]], fmt="o", capsize=4,
+                          color=color, label=row.name)
+        measured = row.divergence.get("kl_div_mean")
+        if measured is not None and row.name != BASELINE:
+            right.scatter([mb], [measured], color=color, label=f"{row.name} measured")
+        if row.search:
+            right.scatter([mb], [row.search["predicted_kl"]], facecolors="none",
+                          edgecolors=color, s=70, label=f"{row.name} predicted")
+    left.set_xlabel("weights (MB, measured on disk)")
+    left.set_ylabel(f"recovery % ({suite or 'no suite'}, 95% interval)")
+    left.set_title("Recovery against weight memory")
+    right.set_xlabel("weights (MB, measured on disk)")
+    right.set_ylabel("KL per token on held-out text (nats)")
+    right.set_yscale("log")
+    right.set_title("Damage: measured (filled) vs predicted (hollow)")
+    for ax in (left, right):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    return "size", _svg(fig)
+
+
+PLOTS = (plot_pareto, plot_size, plot_memory, plot_latency, plot_capacity, plot_tasks)

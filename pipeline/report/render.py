@@ -195,11 +195,32 @@ def capacity_lines(comparison: Comparison) -> list[str]:
     return out
 
 
+def search_lines(comparison: Comparison) -> list[str]:
+    """Predicted (the sensitivity model: units' damages summed) against measured (the whole
+    model on the held-out text) KL, per variant that has a prediction."""
+    out = []
+    for row in comparison.rows:
+        if not row.search:
+            continue
+        predicted = row.search["predicted_kl"]
+        measured = row.divergence.get("kl_div_mean")
+        tail = (f"measured {measured:.4f} on the held-out text (the whole model, emulated) = "
+                f"{measured / predicted:.2f}x the prediction" if measured is not None and
+                predicted > 0 else "not measured (make eval runs the held-out check)")
+        out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
+                   f"summed; {row.search['basis']}), {tail}")
+    if out:
+        out.insert(0, "precision search, additivity checked: the search predicts a recipe's "
+                   "damage as the sum of each unit's damage when quantized alone")
+    return out
+
+
 def _notes(comparison: Comparison) -> list[str]:
     from pipeline.report.recommend import OBJECTIVE_TEXT
 
     out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
-           "(OBJECTIVE=speed|memory|capacity|cost)", *capacity_lines(comparison)]
+           "(OBJECTIVE=speed|memory|capacity|cost)", *capacity_lines(comparison),
+           *search_lines(comparison)]
     if comparison.hardware:
         out.append(f"speed measured on: {comparison.hardware}")
     for name, lengths in comparison.traffic.items():
@@ -239,7 +260,8 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
               tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK,
-              "eval_backend", "gate", "threshold_pct", "engine_scheme",
+              "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
+              "predicted_kl",
               tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
               "comparable")
 
@@ -270,7 +292,9 @@ def csv_text(comparison: Comparison) -> str:
             tracking.ENGINE_WEIGHT_MEMORY_BYTES: row.engine.get(
                 tracking.ENGINE_WEIGHT_MEMORY_BYTES),
             tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
-            "measurement": row.measurement, "comparable": row.comparable}
+            "measurement": row.measurement, "comparable": row.comparable,
+            "kl_div_mean": row.divergence.get("kl_div_mean"),
+            "predicted_kl": row.search.get("predicted_kl")}
         for key in CSV_FIELDS:
             for source in (h, row.capacity, row.cost):
                 if key in source and key not in record:

@@ -67,16 +67,17 @@ def _quantize_in_place(module: Any, fmt: str) -> None:
 
 
 def _log_probs(model: Any, windows: list[list[int]]) -> list[Any]:
+    """Each window's next-token log-probabilities, on the host (kept for every unit)."""
     import torch
 
     with torch.inference_mode():
-        return [torch.log_softmax(model(torch.tensor([w])).logits[0, :-1].float(), dim=-1)
-                for w in windows]
+        return [torch.log_softmax(model(torch.tensor([w], device=model.device)).logits[0, :-1]
+                                  .float(), dim=-1).cpu() for w in windows]
 
 
 def scan(model: Any, units: dict[str, list[str]], formats: list[str],
-         windows: list[list[int]], progress: Callable[[int, int, str], None] | None = None
-         ) -> list[Damage]:
+         windows: list[list[int]],
+         progress: Callable[[int, int, list[Damage]], None] | None = None) -> list[Damage]:
     """Every unit in every format of ``formats`` (bf16: no damage, not run), on ``model``
     as loaded (left as it was)."""
     import torch
@@ -112,5 +113,5 @@ def scan(model: Any, units: dict[str, list[str]], formats: list[str],
                 count += len(t)
             out.append(Damage(unit, fmt, unit_bytes(modules, fmt), kl / count, agree / count))
         if progress:
-            progress(i + 1, len(units), unit)
+            progress(i + 1, len(units), out[-len(formats):])
     return out

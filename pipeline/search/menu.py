@@ -1,0 +1,67 @@
+"""The formats a search may give a unit: those the serving engine runs on this machine.
+
+A searched checkpoint mixes formats layer by layer (compressed-tensors ``mixed-precision``);
+vLLM picks a kernel per layer, so each format in the menu must be one it serves here. Verified
+on vLLM CPU 0.32 with AVX-512: W8A8-int8 + W4A16 + bf16 in one model (docs/precision-search.md);
+on GPUs from vLLM's kernel rules (CUTLASS int8, Machete/Marlin W4A16). A format not served here
+is refused with the engine's reason (``qpipe doctor``'s evidence).
+"""
+
+from __future__ import annotations
+
+from pipeline.core import hardware
+from pipeline.core import log as qlog
+from pipeline.core.errors import ConfigError
+from pipeline.search.recipe import FORMATS, KEEP
+from pipeline.serve import doctor
+
+log = qlog.get("search")
+# formats the shipped recipes use that a searched recipe cannot hold yet, and why
+NOT_IN_MENU = {
+    "fp8": "not offered: mixing FP8 W8A8 with the integer formats in one checkpoint has not "
+           "been checked in vLLM (and on CPUs FP8 runs through a slow torch path)",
+    "mxfp4": "not offered: MXFP4 has no vLLM CPU kernel, and mixing it with other formats in "
+             "one checkpoint has not been checked on GPUs",
+}
+
+
+def support() -> dict[str, tuple[bool, str]]:
+    """Each searchable format -> (served here, the evidence), from ``qpipe doctor``'s rules."""
+    prof = hardware.profile()
+    table = (doctor.cpu_support(prof, doctor.probe_kernels(prof)) if prof.target == "cpu"
+             else doctor.cuda_support(prof))
+    by_recipe = {row.recipes: row for row in table}
+    out = {}
+    for fmt in FORMATS:
+        row = by_recipe.get(fmt)
+        out[fmt] = ((row.status == doctor.SERVES, f"{row.why} ({row.source})") if row
+                    else (False, "no rule for it on this machine"))
+    return out
+
+
+def resolve(requested: list[str] | None) -> list[str]:
+    """The menu: ``requested`` checked, or every format served here; bf16 always last."""
+    served = support()
+    if requested is None:
+        menu = [fmt for fmt, (ok, _) in served.items() if ok]
+        for fmt, (ok, why) in served.items():
+            if not ok:
+                log.info(f"{fmt} left out of the menu: vLLM does not serve it here ({why})")
+        return [*menu, KEEP]
+    menu = []
+    for fmt in dict.fromkeys(f.strip().lower() for f in requested):
+        if fmt == KEEP:
+            continue
+        if fmt in NOT_IN_MENU:
+            raise ConfigError(f"FORMATS={fmt}: {NOT_IN_MENU[fmt]}. The search's formats are "
+                              f"{', '.join([*FORMATS, KEEP])}.")
+        if fmt not in FORMATS:
+            raise ConfigError(f"FORMATS={fmt}: not a format the search knows; the formats are "
+                              f"{', '.join([*FORMATS, KEEP])}.")
+        ok, why = served[fmt]
+        if not ok:
+            raise ConfigError(f"FORMATS={fmt}: vLLM does not serve it on this machine: {why}. "
+                              "A searched recipe must be servable where it is measured; leave "
+                              f"{fmt} out (`make doctor` lists what this machine serves).")
+        menu.append(fmt)
+    return [*menu, KEEP]

@@ -1,0 +1,45 @@
+"""``qpipe sensitivity`` and ``qpipe search`` settings (``make sensitivity`` / ``make search``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.core.settings import StageSettings, baseline_field, force_field
+
+SCAN_TOKENS = 1024  # two 512-token windows: ~9 min for the embedded model on 2 cores
+
+
+class ScanOptions(BaseModel):
+    """What the sensitivity table is measured with: its menu and its text."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    formats: list[str] | None = Field(
+        None, description="the menu: formats each unit may take (int4, int8, bf16); default: "
+        "every one vLLM serves on this machine, and bf16", json_schema_extra={
+            "make": "FORMATS", "flag": "--format"})
+    scan_tokens: int = Field(SCAN_TOKENS, gt=1, description="score each unit on the first N "
+                             "tokens of the held-out text (evals/_heldout/heldout.txt)",
+                             json_schema_extra={"make": "SCAN_TOKENS"})
+
+
+class SensitivitySettings(StageSettings):
+    baseline: str = baseline_field()
+    scan: ScanOptions = Field(default_factory=ScanOptions, json_schema_extra={"nested": True})
+    force: bool = force_field("scan again")
+
+
+class SearchSettings(StageSettings):
+    baseline: str = baseline_field()
+    budget: str | None = Field(
+        None, description="weight-memory budget: bytes (130MB, 1.2e8), a share of the "
+        "baseline's weights (0.45 or 45%), or a multiple of a uniform format (1.15xint4)",
+        json_schema_extra={"make": "BUDGET"})
+    max_damage: float | None = Field(
+        None, ge=0, description="instead of BUDGET: the smallest weights whose predicted "
+        "damage (summed KL, nats/token) stays within this", json_schema_extra={
+            "make": "MAX_DAMAGE"})
+    name: str | None = Field(None, description="the recipe to write, recipes/NAME.yaml "
+                             "(default: searched-<budget>)", json_schema_extra={"make": "NAME"})
+    threshold: float = Field(96.0, description="the recipe's recovery threshold, percent",
+                             json_schema_extra={"make": "THRESHOLD"})
+    scan: ScanOptions = Field(default_factory=ScanOptions, json_schema_extra={"nested": True})

@@ -1,0 +1,257 @@
+"""``qpipe sensitivity`` (``make sensitivity``) and ``qpipe search`` (``make search``).
+
+sensitivity: baseline -> units (vLLM's fusions) -> each unit alone in each format of the menu
+-> ``artifacts/sensitivity/<baseline>/<menu>/`` (JSON, text table, heat-map) + an MLflow run;
+cached by the baseline's content, the menu, the text and the libraries.
+search: that table -> the exact solver under ``BUDGET=`` (or ``MAX_DAMAGE=``) ->
+``recipes/<name>.yaml``, an ordinary llmcompressor recipe every other stage takes as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.core import hardware, paths, tracking
+from pipeline.core import log as qlog
+from pipeline.core.artifacts import SensitivityTable, UnitDamage
+from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import atomic_dir
+from pipeline.eval import divergence
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize import checkpoint, recipes
+from pipeline.quantize.stage import library_versions
+from pipeline.search import budget as budgets
+from pipeline.search import menu as menus
+from pipeline.search import recipe as searched
+from pipeline.search import table as tables
+from pipeline.search.sensitivity import FORMATS, Damage, scan, unit_bytes
+from pipeline.search.settings import SearchSettings, SensitivitySettings
+from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
+from pipeline.search.units import fuse
+from pipeline.serve.fusions import packed_modules
+
+log = qlog.get("search")
+METHOD = ("round-to-nearest with compressed-tensors' schemes and llmcompressor's observers, "
+          "one unit at a time; cpu: float32, cuda: bf16")
+SENSITIVITY, SEARCH = "sensitivity", "search"
+TEXT_FILE, PLOT_FILE = "sensitivity.txt", "sensitivity.png"
+
+
+def _architecture(base: baselines.Baseline) -> str:
+    config = json.loads((base.path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{base.path / 'config.json'}: no `architectures` entry, so the "
+                          "layers vLLM fuses cannot be looked up. Fix: add the model class, "
+                          "e.g. [\"LlamaForCausalLM\"].")
+    return str(archs[0])
+
+
+def _cache_key(base: baselines.Baseline, formats: list[str], text: str, tokens: int,
+               fusions: dict[str, list[str]]) -> str:
+    payload = {"baseline": base.identity, "formats": formats,
+               "schemes": {f: FORMATS.get(f) for f in formats}, "text": divergence.text_hash(text),
+               "tokens": tokens, "fusions": fusions, "libraries": library_versions(),
+               "method": METHOD, "device": hardware.torch_device()}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load(base: baselines.Baseline) -> tuple[Any, str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hardware.torch_device() == "cuda":
+        dtype = torch.bfloat16  # accelerate spreads a large model over every GPU
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=dtype, device_map="auto")
+    else:
+        dtype = torch.float32  # ~3x faster than bf16 on CPUs without bf16 units
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=dtype)
+    return model.eval(), str(dtype).removeprefix("torch.")
+
+
+def _progress(started: float) -> Any:
+    def report(done: int, total: int, damages: list[Damage]) -> None:
+        left = (time.monotonic() - started) / done * (total - done)
+        figures = ", ".join(f"{d.format} {d.kl_div_mean:.5f}" for d in damages
+                            if d.format != searched.KEEP)
+        log.info(f"[{done}/{total}] {damages[0].unit}: KL {figures} (~{left / 60:.1f} min left)")
+    return report
+
+
+def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
+    """The table for ``settings`` (measured, or the cached one when nothing changed)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    base = baselines.resolve(settings.baseline)
+    formats = menus.resolve(settings.scan.formats)
+    architecture = _architecture(base)
+    fusions, fusion_source = packed_modules(architecture)
+    text = divergence.heldout_text()
+    key = _cache_key(base, formats, text, settings.scan.scan_tokens, fusions)
+    target = SensitivityTable.root(base.name) / SensitivityTable.menu_name(formats)
+    table = SensitivityTable.read(target / SensitivityTable.FILE)
+    if table is not None and table.cache_key == key and not settings.force:
+        log.info(f"the sensitivity table of {base.name} for {', '.join(formats)} is up to date "
+                 f"({target}); nothing to do (FORCE=1 redoes it).")
+        _track_table(base, table, target)
+        return table
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    ids = tokenizer(text, add_special_tokens=True).input_ids[:settings.scan.scan_tokens]
+    windows = divergence.windows(ids)
+    model, dtype = _load(base)
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+    units = fuse(linears, fusions)
+    named = dict(model.named_modules())
+    in_units = sum(unit_bytes([named[n] for n in units[u]], searched.KEEP) for u in units)
+    baseline_bytes = checkpoint.measure(base.path).weight_bytes
+    log.info(f"{base.name}: {len(units)} units ({len(linears)} linear layers; fused as "
+             f"{fusion_source}) x {', '.join(formats)} on {len(ids)} held-out tokens, on "
+             f"{hardware.torch_device_name()} in {dtype}")
+    started = time.monotonic()
+    threads = torch.get_num_threads()
+    if hardware.torch_device() == "cpu":
+        torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        damages = scan(model, units, formats, windows, progress=_progress(started))
+    finally:
+        torch.set_num_threads(threads)
+    table = SensitivityTable(
+        cache_key=key, baseline=base.as_dict(), architecture=architecture, fusions=fusions,
+        fusion_source=fusion_source, formats=formats, units=units,
+        damages=[UnitDamage(unit=d.unit, format=d.format, bytes=d.bytes,
+                            kl_div_mean=d.kl_div_mean, top1_agreement=d.top1_agreement)
+                 for d in damages],
+        fixed_bytes=baseline_bytes - in_units, baseline_weight_bytes=baseline_bytes,
+        text=str(paths.relative(divergence.HELDOUT)), text_sha256=divergence.text_hash(text),
+        tokens=len(ids), method=METHOD, device=hardware.torch_device_name(), dtype=dtype,
+        seconds=round(time.monotonic() - started, 1), libraries=library_versions())
+    with atomic_dir(target) as tmp:
+        table.write(tmp / SensitivityTable.FILE)
+        (tmp / TEXT_FILE).write_text(tables.render(table) + "\n")
+        tables.heatmap(table, tmp / PLOT_FILE)
+    log.info(f"wrote {target} in {table.seconds / 60:.1f} min")
+    _track_table(base, table, target)
+    return table
+
+
+def _track_table(base: baselines.Baseline, table: SensitivityTable, target: Path) -> None:
+    if tracking.find_run(base.name, SENSITIVITY, table.cache_key):
+        return
+    metrics: dict[str, float] = {"units": len(table.units), "scan_seconds": table.seconds,
+                                 "scan_tokens": table.tokens}
+    stepped = []
+    for fmt in table.formats:
+        size, damage = table.uniform(fmt)
+        metrics[f"uniform_{fmt}_weight_bytes"] = size
+        metrics[f"uniform_{fmt}_predicted_kl"] = damage
+        stepped += [(f"kl_{fmt}", table.damage(unit, fmt).kl_div_mean, i)
+                    for i, unit in enumerate(table.units)]
+    tracking.log_run(
+        base.name, SENSITIVITY, f"sensitivity:{SensitivityTable.menu_name(table.formats)}",
+        params={tracking.PARAM_BASELINE: base.name, "formats": ",".join(table.formats),
+                "architecture": table.architecture, "fusions": json.dumps(table.fusions),
+                "text": table.text, "method": table.method, "device": table.device},
+        metrics=metrics, stepped=stepped,
+        tags={tracking.TAG_CACHE_KEY: table.cache_key},
+        artifacts=[target / SensitivityTable.FILE, target / TEXT_FILE, target / PLOT_FILE])
+
+
+def run_sensitivity(settings: SensitivitySettings) -> SensitivityTable:
+    """``make sensitivity``: measure (or reuse) the table and print it."""
+    table = sensitivity(settings)
+    print(tables.render(table))
+    target = SensitivityTable.root(table.baseline["name"]) / SensitivityTable.menu_name(
+        table.formats)
+    print(f"\nheat-map: {target / PLOT_FILE}\ntable: {target / SensitivityTable.FILE}")
+    return table
+
+
+def options(table: SensitivityTable) -> dict[str, list[Option]]:
+    """The solver's table: unit -> one option per format of the menu."""
+    return {unit: [Option(d.format, d.bytes, d.kl_div_mean) for d in table.damages
+                   if d.unit == unit] for unit in table.units}
+
+
+def choose(table: SensitivityTable, settings: SearchSettings) -> tuple[Choice, str, str]:
+    """(the choice with totals over the whole model, how it was chosen, the default name)."""
+    if (settings.budget is None) == (settings.max_damage is None):
+        raise ConfigError("give exactly one of BUDGET= (weight memory, e.g. 1.15xint4 or "
+                          "130MB) and MAX_DAMAGE= (summed KL, e.g. 0.05).")
+    fixed = table.fixed_bytes
+    if settings.budget is not None:
+        limit, reads = budgets.parse(settings.budget, table)
+        if limit <= fixed:
+            raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
+                              f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
+        smallest = fixed + sum(min(o.bytes for o in opts) for opts in options(table).values())
+        if limit < smallest:
+            raise ConfigError(
+                f"BUDGET={settings.budget}: no choice of formats fits {reads} = {limit:,} "
+                f"bytes: the smallest is {smallest:,} bytes (every unit at its smallest format; "
+                f"{smallest / table.baseline_weight_bytes:.1%} of the baseline). Fix: BUDGET= at "
+                f"least {smallest:,}.")
+        found = least_damage(options(table), limit - fixed)
+        how = f"least predicted damage within {reads} = {limit:,} bytes of weights"
+        name = f"searched-{budgets.slug(settings.budget)}"
+    else:
+        found = fewest_bytes(options(table), float(settings.max_damage or 0))
+        how = f"fewest weight bytes with predicted damage <= {settings.max_damage:g}"
+        name = f"searched-kl{settings.max_damage:g}"
+    return Choice(found.formats, fixed + found.bytes, found.damage), how, name
+
+
+def run_search(settings: SearchSettings) -> Path:
+    """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
+    table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan))
+    choice, how, default_name = choose(table, settings)
+    name = settings.name or default_name
+    path = paths.RECIPES_DIR / f"{name}.yaml"
+    if path.exists() and "search" not in _qpipe_block(path):
+        raise ConfigError(f"{path} is a recipe that was not searched; it is left as it is. "
+                          "Fix: NAME= another name.")
+    counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
+    text = searched.recipe_text(choice, table.units, how, settings.threshold, extra={
+        "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    recipes.load(str(path))  # what make quantize will read: refused here, not later
+    print(_summary(table, choice, how, path))
+    base_name = table.baseline["name"]
+    tracking.log_run(
+        base_name, SEARCH, f"search:{name}",
+        params={tracking.PARAM_BASELINE: base_name, tracking.PARAM_RECIPE: name, "how": how,
+                "formats": ",".join(table.formats), "sensitivity": table.cache_key},
+        metrics={"predicted_weight_bytes": choice.bytes, "predicted_kl": choice.damage,
+                 **{f"units_{fmt}": n for fmt, n in counts.items()}},
+        tags={tracking.TAG_CACHE_KEY: hashlib.sha256(text.encode()).hexdigest()[:16]},
+        artifacts=[path])
+    return path
+
+
+def _qpipe_block(path: Path) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    return data.get("qpipe") or {}
+
+
+def _summary(table: SensitivityTable, choice: Choice, how: str, path: Path) -> str:
+    counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
+    lines = [f"{paths.shown(path)}: {how}",
+             "units: " + ", ".join(f"{n} {fmt}" for fmt, n in counts.items()),
+             f"{'':22}{'weights':>12}{'predicted KL':>14}",
+             f"{'this recipe':22}{choice.bytes / 1e6:9.1f} MB{choice.damage:14.4f}"]
+    for fmt in table.formats:
+        size, damage = table.uniform(fmt)
+        lines.append(f"{'every unit ' + fmt:22}{size / 1e6:9.1f} MB{damage:14.4f}")
+    lines.append(f"next: make all RECIPE=\"int4 int8 {path.stem}\" (quantize, serve, bench, "
+                 "score; the report shows predicted against measured KL)")
+    return "\n".join(lines)
