@@ -28,7 +28,10 @@ REPEATS       ?=
 MAX_MODEL_LEN ?=
 KV_CACHE_GIB  ?=
 GPU_UTIL      ?=
-# any other `vllm serve` flag for every server bench and eval start, e.g. VLLM_ARGS=--tensor-parallel-size=2
+# vLLM tensor / pipeline parallel size of every server (GPUs each spans), and of make plan
+TP            ?=
+PP            ?=
+# any other `vllm serve` flag for every server bench and eval start, e.g. VLLM_ARGS=--enable-expert-parallel
 VLLM_ARGS     ?=
 MLFLOW_PORT   ?= 5000
 # avx2: vLLM CPU loads its AVX2 kernels whatever this CPU has (what an AVX2-only machine serves)
@@ -88,7 +91,8 @@ SERVE_STAMP := .stamps/serve-$(SERVE_KIND)
 opt = $(if $(2),$(1) $(2))
 # the vLLM engine, the same for every server bench and eval start
 ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
-  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
+  $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP)) \
+  $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
 SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SLO_ITL_MS))
 COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
@@ -101,7 +105,7 @@ help: ## list the targets
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
 	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
 	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE NAME (sensitivity, search)"
-	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL VLLM_ARGS"
+	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
@@ -180,7 +184,8 @@ plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS 
 	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --weights $(WEIGHTS) \
 	  --kv-dtype $(KV_DTYPE) $(call opt,--max-context,$(MAX_CONTEXT)) \
 	  $(call opt,--memory-gb,$(MEMORY_GB)) $(call opt,--kv-budget-gb,$(KV_BUDGET_GB)) \
-	  $(call opt,--prefix,$(PREFIX)) $(call opt,--plot,$(PLOT)) $(if $(JSON),--json)
+	  $(call opt,--prefix,$(PREFIX)) $(call opt,--plot,$(PLOT)) $(if $(JSON),--json) \
+	  $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP))
 
 ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-C stops it)
 	@$(QPIPE) ui --port $(MLFLOW_PORT)

@@ -281,7 +281,8 @@ def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_
     lines = report.search_lines(comparison)
     assert lines[0].startswith("precision search, additivity checked")
     assert "searched-1.15xint4: predicted KL 0.0200" in lines[2]
-    assert "measured 0.0300 on the held-out text" in lines[2] and "= 1.50x the prediction" in lines[2]
+    assert "measured 0.0300 on the held-out text" in lines[2]
+    assert "= 1.50x the prediction" in lines[2]
     assert "int4: predicted KL 0.0800" in lines[1] and "not measured" in lines[1]
     assert any("predicted KL 0.0200" in n for n in report.markdown(comparison).splitlines())
     rows = list(csv.DictReader(io.StringIO(report.csv_text(comparison))))

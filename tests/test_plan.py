@@ -194,3 +194,49 @@ def test_matplotlib_is_not_imported_without_a_plot():
     result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+LLAMA_70B = ["plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--context", "8192",
+             "--max-context", "131072", "--weights", "bf16", "--kv-dtype", "bf16"]
+
+
+def test_a_70b_in_bf16_needs_four_h100s_and_tensor_parallel_splits_weights_and_kv(capsys):
+    one = run_json(capsys, *LLAMA_70B, "--memory-gb", "400")  # one huge device: the reference
+    assert one["inputs"]["smallest_tp"] == 1
+    four = run_json(capsys, *LLAMA_70B, "--tp", "4")
+    assert four["inputs"]["smallest_tp"] == 4  # 141 GB of weights: 2 x 80 GB cannot hold them
+    assert four["inputs"]["tensor_parallel"] == 4
+    memory, reserve = get_accelerator("h100-80gb").memory_bytes, int(DEFAULT_RESERVE_GB * GB)
+    per_device = -(-four[capacity.WEIGHT_BYTES] // 4)
+    # 8 KV heads over 4 ranks: each device holds a quarter of every token's cache
+    assert four[capacity.KV_BUDGET_BYTES] == 4 * (int(memory * 0.9) - per_device - reserve)
+    assert four[capacity.KV_BYTES_PER_TOKEN] == one[capacity.KV_BYTES_PER_TOKEN]  # whole model
+    eight = run_json(capsys, *LLAMA_70B, "--tp", "8")
+    assert eight[capacity.MAX_CONCURRENCY_PAGED] > 2 * four[capacity.MAX_CONCURRENCY_PAGED]
+    # more ranks than KV heads: vLLM replicates heads, so 16 ranks hold no more than 8 shards
+    arch = capacity.parse_architecture(json.loads(
+        (PROJECT_ROOT / "configs/models/llama-3.1-70b/config.json").read_text()))
+    assert arch.kv_shards(16) == 8 and arch.kv_shards(4, 2) == 8
+    two = run_json(capsys, *LLAMA_70B, "--tp", "2")  # the weights fit, one long request not
+    assert two[capacity.MAX_CONCURRENCY_WORST_CASE] == 0 < two[capacity.MAX_CONCURRENCY_PAGED]
+    err = run_error(capsys, *LLAMA_70B, "--tp", "2", "--memory-gb", "40")
+    assert "over 2 devices (TP 2 x PP 1)" in err and "the weights do not fit" in err
+    main([*LLAMA_70B, "--tp", "4"])
+    table = capsys.readouterr().out
+    assert "per device (TP 4 x PP 1)" in table
+    assert "smallest tensor-parallel size on h100-80gb for the bf16 weights plus one " \
+           "131,072-token request: TP=4" in table
+
+
+def test_the_engine_passes_tensor_and_pipeline_parallel_to_every_server(tmp_path):
+    from pipeline.serve.server import VllmServer
+    from pipeline.serve.settings import EngineSettings
+
+    log = tmp_path / "log"
+    server = VllmServer(tmp_path, "m", EngineSettings(tensor_parallel_size=4,
+                                                  pipeline_parallel_size=2), log, target="cuda")
+    cmd = server.command()
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
+    assert cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in VllmServer(tmp_path, "m", EngineSettings(), log,
+                                                  target="cuda").command()

@@ -87,6 +87,15 @@ class Architecture:
     num_experts: int = 0
     max_position_embeddings: int | None = None
     checkpoint_quantization: str | None = None  # quantization_config.quant_method, if any
+    attention_heads: int = 0
+    kv_heads: int = 0  # 0: latent attention (MLA), whose cache every tensor-parallel rank holds
+
+    def kv_shards(self, tensor_parallel: int, pipeline_parallel: int = 1) -> int:
+        """Over how many devices one token's KV cache is split: KV heads over the tensor-parallel
+        ranks (vLLM replicates heads when there are more ranks than heads; an MLA latent is on
+        every rank), layers over the pipeline stages."""
+        heads = min(tensor_parallel, self.kv_heads) if self.kv_heads else 1
+        return heads * pipeline_parallel
 
     @property
     def params(self) -> int:
@@ -309,6 +318,10 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
         num_experts=experts if any(m.name == "experts" for m in feed_forward) else 0,
         max_position_embeddings=max_pos,
         checkpoint_quantization=quant.get("quant_method") if isinstance(quant, Mapping) else None,
+        attention_heads=heads,
+        kv_heads=0 if cfg.get("kv_lora_rank") else int(
+            cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or cfg.get("n_head_kv")
+            or heads),
     )
 
 

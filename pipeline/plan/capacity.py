@@ -253,6 +253,13 @@ class PlanSettings:
     int4_group_size: int = 128
     int4_asymmetric: bool = False
     max_num_batched_tokens: int = 2048
+    # vLLM's --tensor-parallel-size / --pipeline-parallel-size: memory_bytes is per device
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 @dataclass(frozen=True)
@@ -300,6 +307,8 @@ def _check_settings(s: PlanSettings) -> None:
             raise PlanError(f"{name.replace('_', '-')} must be positive, not {getattr(s, name)}.")
     if s.context > s.max_context:
         raise PlanError(f"context {s.context:,} is longer than max-context {s.max_context:,}.")
+    if s.tensor_parallel < 1 or s.pipeline_parallel < 1:
+        raise PlanError("tensor and pipeline parallel sizes must be at least 1.")
     if s.prefix < 0 or s.prefix >= s.context:
         raise PlanError(f"prefix {s.prefix:,} must be at least 0 and shorter than the context "
                         f"({s.context:,}).")
@@ -327,15 +336,19 @@ def plan_capacity(config: Mapping[str, Any] | Architecture, settings: PlanSettin
         budget = s.kv_budget_bytes
     else:
         assert s.memory_bytes is not None
+        per_device = _cdiv(weights[s.weights].total_bytes, s.devices)
         try:
-            budget = kv_budget(s.memory_bytes, s.utilization, weights[s.weights].total_bytes,
-                               s.reserve_bytes)
+            # each device: its share of the weights, its share of every token's KV cache
+            budget = kv_budget(s.memory_bytes, s.utilization, per_device, s.reserve_bytes) * \
+                arch.kv_shards(s.tensor_parallel, s.pipeline_parallel)
         except PlanError as err:
             usable = int(s.memory_bytes * s.utilization) - s.reserve_bytes
             fitting = [f"{p} ({w.total_bytes / 1e9:.2f} GB)" for p, w in weights.items()
-                       if w.total_bytes < usable]
+                       if _cdiv(w.total_bytes, s.devices) < usable]
             others = f" Precisions that fit: {', '.join(fitting)}." if fitting else ""
-            raise PlanError(f"with {s.weights} weights, {err}{others}") from err
+            split = f" over {s.devices} devices (TP {s.tensor_parallel} x PP " \
+                    f"{s.pipeline_parallel})" if s.devices > 1 else ""
+            raise PlanError(f"with {s.weights} weights{split}, {err}{others}") from err
     per_request = kv_bytes_per_request(arch, s.context, s.kv_dtype, s.block_size)
     per_request_max = kv_bytes_per_request(arch, s.max_context, s.kv_dtype, s.block_size)
     shared = shared_prefix_bytes(arch, s.context, s.prefix, s.kv_dtype, s.block_size)
@@ -367,3 +380,25 @@ def plan_capacity(config: Mapping[str, Any] | Architecture, settings: PlanSettin
                                    max_num_batched_tokens=s.max_num_batched_tokens),
         notes=tuple(notes),
     )
+
+
+TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def smallest_tensor_parallel(arch: Architecture, settings: PlanSettings, min_requests: int = 1
+                             ) -> tuple[int, CapacityPlan] | None:
+    """The smallest tensor-parallel size (one that divides the attention heads, as vLLM
+    requires) at which the weights fit and the KV cache holds ``min_requests`` requests of
+    ``max_context`` tokens each, reserved (worst case); None if no size up to 64 does."""
+    from dataclasses import replace
+
+    for tp in TP_SIZES:
+        if arch.attention_heads and arch.attention_heads % tp:
+            continue
+        try:
+            plan = plan_capacity(arch, replace(settings, tensor_parallel=tp, kv_budget_bytes=None))
+        except PlanError:
+            continue
+        if plan.worst_case >= min_requests:
+            return tp, plan
+    return None

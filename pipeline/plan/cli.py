@@ -152,12 +152,17 @@ def build_plan(args: PlanRequest) -> tuple[dict[str, Any], CapacityPlan]:
         reserve_bytes=int(args.reserve_gb * GB), kv_budget_bytes=kv_budget,
         int4_group_size=args.int4_group_size, int4_asymmetric=args.int4_asymmetric,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel=args.tp, pipeline_parallel=args.pp,
     )
     plan = capacity.plan_capacity(arch, settings)
+    smallest = None
+    if kv_budget is None:
+        found = capacity.smallest_tensor_parallel(arch, replace(settings, pipeline_parallel=1))
+        smallest = found[0] if found else 0
     if notes:
         plan = replace(plan, notes=(*notes, *plan.notes))
     inputs = {"model": name, "source": source, "accelerator": accelerator,
-              "accelerator_description": description}
+              "accelerator_description": description, "smallest_tp": smallest}
     return inputs, plan
 
 

@@ -59,6 +59,8 @@ def report(plan: CapacityPlan, inputs: dict[str, Any]) -> dict[str, Any]:
             "prefix": s.prefix,
             "block_size": s.block_size,
             "max_num_batched_tokens": s.max_num_batched_tokens,
+            "tensor_parallel": s.tensor_parallel,
+            "pipeline_parallel": s.pipeline_parallel,
         },
         "notes": list(plan.notes),
     }
@@ -119,12 +121,28 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
     ]
     if given:
         lines.append(f"  {_gb(plan.kv_budget_bytes)} for the KV cache, given directly")
+    elif s.devices > 1:
+        shards = arch.kv_shards(s.tensor_parallel, s.pipeline_parallel)
+        per_device = -(-plan.weight_bytes // s.devices)
+        lines.append(
+            f"  per device (TP {s.tensor_parallel} x PP {s.pipeline_parallel}): {_gb(memory)} x "
+            f"{s.utilization:g} = {_gb(_usable(plan))} - {_gb(per_device)} of the weights "
+            f"({s.weights}) - {_gb(s.reserve_bytes)} reserve = "
+            f"{_gb(plan.kv_budget_bytes / shards)} of KV cache, each token's split over {shards} "
+            f"device{'s' if shards > 1 else ''}: as {_gb(plan.kv_budget_bytes)} on one")
     else:
         lines.append(
             f"  {_gb(memory)} x {s.utilization:g} = {_gb(_usable(plan))} - "
             f"{_gb(plan.weight_bytes)} weights ({s.weights}) - {_gb(s.reserve_bytes)} reserve "
             f"= {_gb(plan.kv_budget_bytes)} for the KV cache"
         )
+    smallest = inputs.get("smallest_tp")
+    if smallest is not None:
+        lines.append(
+            f"  smallest tensor-parallel size on {inputs['accelerator']} for the {s.weights} "
+            f"weights plus one {s.max_context:,}-token request: "
+            + (f"TP={smallest}" if smallest else "none up to 64 (a smaller precision, a larger "
+               "device, or pipeline stages: PP=)"))
     lines += [
         f"  vLLM would report: KV cache size {plan.vllm.kv_cache_tokens:,} tokens; maximum "
         f"concurrency for {s.max_context:,} tokens per request {plan.vllm.max_concurrency:.2f}x",

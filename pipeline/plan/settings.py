@@ -62,6 +62,11 @@ class PlanRequest(StageSettings):
                                    "preset's, 16 as on vLLM GPUs; vLLM CPU uses 128)")
     max_num_batched_tokens: int = Field(_D.max_num_batched_tokens, description="vLLM's "
                                         "scheduler budget, for its sliding-window concurrency")
+    tp: int = Field(1, ge=1, description="vLLM --tensor-parallel-size: devices the weights and "
+                    "KV heads are split over (memory is per device)",
+                    json_schema_extra={"make": "TP"})
+    pp: int = Field(1, ge=1, description="vLLM --pipeline-parallel-size: stages the layers are "
+                    "split over", json_schema_extra={"make": "PP"})
     as_json: bool = Field(False, description="print one JSON object, no table",
                           json_schema_extra={"flag": "--json", "make": "JSON=1"})
     plot: Path | None = Field(None, description="write a PNG of concurrency against context "

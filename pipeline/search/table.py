@@ -32,7 +32,7 @@ def render(table: SensitivityTable, top: int = 5) -> str:
     rows, cols, cells = grid(table)
     lines = [f"Sensitivity of {table.baseline.get('name', '?')} ({table.architecture}): each unit "
              f"quantized alone, KL(baseline || variant) per token on {table.tokens} held-out "
-             f"tokens ({table.method}; {table.device}, {table.dtype}; {table.seconds:.0f} s)",
+             f"tokens; measured on {table.device} in {table.dtype} in {table.seconds:.0f} s",
              f"Units: {len(table.units)} ({table.fusion_source})"]
     for fmt in table.formats:
         if fmt == KEEP:
@@ -40,11 +40,11 @@ def render(table: SensitivityTable, top: int = 5) -> str:
         size, damage = table.uniform(fmt)
         lines += ["", f"{fmt}: KL x 1e-3 per unit; every unit at {fmt}: {size / 1e6:.1f} MB of "
                   f"weights, predicted damage {damage:.4f} (sum)",
-                  "layer " + "".join(f"{c[:10]:>11}" for c in cols)]
+                  "layer " + "".join(f"{c[:13]:>14}" for c in cols)]
         for r in rows:
             values = [table.damage(cells[r, c], fmt).kl_div_mean * 1e3 if (r, c) in cells
                       else None for c in cols]
-            lines.append(f"{r:>5} " + "".join(f"{v:11.3f}" if v is not None else f"{'':>11}"
+            lines.append(f"{r:>5} " + "".join(f"{v:14.3f}" if v is not None else f"{'':>14}"
                                               for v in values))
         worst = sorted((d for d in table.damages if d.format == fmt),
                        key=lambda d: -d.kl_div_mean)[:top]

@@ -85,6 +85,10 @@ class VllmServer:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.enforce_eager:
             cmd.append("--enforce-eager")
+        if s.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+        if s.pipeline_parallel_size > 1:
+            cmd += ["--pipeline-parallel-size", str(s.pipeline_parallel_size)]
         return [*cmd, *s.extra_args]
 
     def environment(self) -> dict[str, str]:

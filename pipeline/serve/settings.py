@@ -32,6 +32,11 @@ class EngineSettings(BaseModel):
         None, description="run eager (default on CPUs)", json_schema_extra={
             "flag": "--eager", "negative": "--compile",
             "negative_help": "let vLLM compile, with CUDA graphs on GPUs (default on GPUs)"})
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size: GPUs "
+                                      "each server spans", json_schema_extra={
+                                          "flag": "--tp", "make": "TP"})
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM --pipeline-parallel-size",
+                                        json_schema_extra={"flag": "--pp", "make": "PP"})
     extra_args: tuple[str, ...] = Field(
         (), description="any other `vllm serve` flag, passed as is, e.g. "
         "--vllm-arg=--tensor-parallel-size=2", json_schema_extra={
