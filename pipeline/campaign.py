@@ -90,6 +90,16 @@ class CampaignSettings(StageSettings):
         "negative": "--no-track", "negative_help": "do not log the comparison to MLflow"})
     engine: EngineSettings = Field(default_factory=EngineSettings,
                                    json_schema_extra={"nested": True})
+    executor: Literal["local", "ray"] = Field(
+        "local", description="where the stages run: this machine, or the tasks of a Ray cluster "
+        "(one per recipe to quantize, one per variant to measure)", json_schema_extra={
+            "make": "EXECUTOR"})
+    ray_address: str | None = Field(None, description="EXECUTOR=ray: the cluster (default: "
+                                    "$RAY_ADDRESS, else a local Ray instance over this node)",
+                                    json_schema_extra={"make": "RAY_ADDRESS"})
+    ray_resources: str | None = Field(
+        None, description="EXECUTOR=ray: custom resources every task asks for, as JSON, e.g. "
+        "'{\"h100\": 1}' to pin a node type", json_schema_extra={"make": "RAY_RESOURCES"})
 
     def file(self) -> campaigns.CampaignFile:
         """The campaign file with this command line's overrides applied."""
@@ -122,6 +132,16 @@ def stages(settings: CampaignSettings, file: campaigns.CampaignFile
         limit=file.limit, backend=file.backend, divergence=file.divergence,
         force=settings.force, engine=settings.engine)
     return quantize, bench_settings, eval_settings
+
+
+def _for_this_baseline(recipe: str, base: baselines.Baseline) -> bool:
+    from pipeline.quantize import recipes
+
+    searched_for = recipes.load(recipe).searched_for
+    if searched_for and searched_for != base.identity:
+        log.info(f"recipe {recipe}: left out, searched for another baseline ({searched_for})")
+        return False
+    return True
 
 
 def _needs_work(q: QuantizeSettings, base: baselines.Baseline) -> tuple[bool, bool]:
@@ -189,8 +209,39 @@ def run(settings: CampaignSettings) -> Comparison:
         tracking.check_store()  # seconds now, not minutes after the work
     base = baselines.resolve(settings.baseline)
     quantize, bench_settings, eval_settings = stages(settings, file)
+    if not file.recipes:  # every recipe in recipes/, but not one searched for another model
+        quantize = [q for q in quantize if _for_this_baseline(q.recipe, base)]
+        kept = tuple(q.recipe for q in quantize)
+        if bench_settings is not None:
+            bench_settings = bench_settings.model_copy(update={"recipes": kept})
+        eval_settings = eval_settings.model_copy(update={"recipes": kept})
     clock = _Clock(len(quantize) + (bench_settings is not None) + 2)
     log.info(f"campaign {file.name} ({file.path}): {file.description}")
+    if settings.executor == "ray":
+        failures, left = _on_ray(settings, base, quantize, bench_settings, eval_settings, clock)
+    else:
+        failures, left = _locally(settings, base, quantize, bench_settings, eval_settings, clock)
+    clock.next("compare")
+    comparison, _ = report.compare_and_log(base, list(left), file.plan, file.name,
+                                           settings.track, failures, file.objective,
+                                           file.cost, per_variant=settings.executor == "ray")
+    if comparison.failures:
+        raise CampaignIncomplete(
+            f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "
+            "to a hardware limit: " + "; ".join(
+                f"{f['variant']} in {f['stage']}: {f['reason'][:200]}"
+                + (f" (log {f['log']})" if f.get("log") else "") for f in comparison.failures)
+            + ". The other variants were measured, compared and logged.")
+    log.info(f"done in {clock.elapsed()}")
+    return comparison
+
+
+def _locally(settings: CampaignSettings, base: baselines.Baseline,
+             quantize: list[QuantizeSettings], bench_settings: bench.BenchSettings | None,
+             eval_settings: evaluation.EvalSettings, clock: _Clock
+             ) -> tuple[list[dict[str, str]], tuple[str, ...]]:
+    """This machine: quantize a few recipes at once, then bench and eval in this process (on
+    a CPU host sharing the servers)."""
     failures = _quantize(quantize, base, settings.quantize_jobs, clock)
     lost = {f["variant"] for f in failures}
     left = tuple(q.recipe for q in quantize if q.recipe not in lost)
@@ -207,16 +258,70 @@ def run(settings: CampaignSettings) -> Comparison:
             stage_settings = stage_settings.model_copy(update={"recipes": left})
             _stage(label, stage_settings.command(label), failures,
                    lambda c=call, s=stage_settings: c(s, pool))
-    clock.next("compare")
-    comparison, _ = report.compare_and_log(base, list(left), file.plan, file.name,
-                                           settings.track, failures, file.objective,
-                                           file.cost)
-    if comparison.failures:
-        raise CampaignIncomplete(
-            f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "
-            "to a hardware limit: " + "; ".join(
-                f"{f['variant']} in {f['stage']}: {f['reason'][:200]}"
-                + (f" (log {f['log']})" if f.get("log") else "") for f in comparison.failures)
-            + ". The other variants were measured, compared and logged.")
-    log.info(f"done in {clock.elapsed()}")
-    return comparison
+    return failures, left
+
+
+def _on_ray(settings: CampaignSettings, base: baselines.Baseline,
+            quantize: list[QuantizeSettings],
+            bench_settings: bench.BenchSettings | None, eval_settings: evaluation.EvalSettings,
+            clock: _Clock) -> tuple[list[dict[str, str]], tuple[str, ...]]:
+    """A Ray cluster: one task per recipe to quantize, then the baseline's scores, then one
+    task per variant that benches it beside its own baseline server (the speedup is paired on
+    one node) and scores it. Every task's commands are the stage commands a user can run alone;
+    the artifacts directory is shared by every node (docs/scale-out.md)."""
+    from pipeline.core import executor
+    from pipeline.core.settings import to_argv
+
+    extra = _ray_resources(settings.ray_resources)
+    logs = paths.artifacts_dir() / "logs"
+    servers = settings.engine.tensor_parallel_size * settings.engine.pipeline_parallel_size
+
+    def run(label: str, tasks: list[executor.Task]) -> list[executor.Outcome]:
+        clock.next(f"{label} on Ray: {len(tasks)} task(s)", max(1, len(tasks)))
+        return executor.run(tasks, "ray", settings.ray_address)
+
+    tracking.prepare(base.name)  # tasks that log at once must not race on a new store
+    outcomes = run("quantize", [executor.Task(
+        f"quantize {q.recipe}", (executor.qpipe("quantize", *to_argv(q)),),
+        logs / f"quantize-{q.recipe}.log", gpus_if_any=1, resources=extra) for q in quantize])
+    failures = [{"variant": o.label.split(" ", 1)[1], "stage": "quantize", "reason": o.reason,
+                 "log": o.log} for o in outcomes if not o.ok]
+    lost = {f["variant"] for f in failures}
+    left = tuple(q.recipe for q in quantize if q.recipe not in lost)
+    if not left:
+        return failures, left
+    first = eval_settings.model_copy(update={"recipes": ("none",)})
+    run("baseline scores", [executor.Task(
+        "eval baseline", (executor.qpipe("eval", *to_argv(first)),), logs / "eval-baseline.log",
+        gpus_if_any=servers, resources=extra)])
+    measure = []
+    for recipe in left:
+        commands = []
+        if bench_settings is not None:
+            one = bench_settings.model_copy(update={"recipes": (recipe,)})
+            commands.append(executor.qpipe("bench", *to_argv(one)))
+        one_eval = eval_settings.model_copy(update={"recipes": (recipe,)})
+        commands.append(executor.qpipe("eval", *to_argv(one_eval)))
+        measure.append(executor.Task(f"measure {recipe}", tuple(commands),
+                                     logs / f"measure-{recipe}.log", gpus_if_any=servers,
+                                     resources=extra))
+    for o in run("bench + eval per variant", measure):
+        if not o.ok:
+            failures.append({"variant": o.label.split(" ", 1)[1], "stage": "bench/eval",
+                             "reason": f"{o.reason} (node {o.node})", "log": o.log})
+    return failures, left
+
+
+def _ray_resources(text: str | None) -> dict[str, float]:
+    import json
+
+    if not text:
+        return {}
+    try:
+        found = json.loads(text)
+        if isinstance(found, dict) and all(isinstance(v, (int, float)) for v in found.values()):
+            return {str(k): float(v) for k, v in found.items()}
+    except ValueError:
+        pass
+    raise ConfigError(f"RAY_RESOURCES={text}: a JSON object of resource -> amount, e.g. "
+                      "'{\"h100\": 1}'.")

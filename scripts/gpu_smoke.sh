@@ -29,6 +29,8 @@ step "eval: the app suite on every item, served on the GPU; divergence on the GP
 make eval RECIPE="$RECIPES" SUITE=app LIMIT=all
 step "compare: planned for this card, cost at the card's preset price, 1000 users"
 make compare RECIPE="$RECIPES" CAMPAIGN=full
+step "the same campaign on Ray (one node, every GPU): EXECUTOR=ray, a local Ray instance"
+make all EXECUTOR=ray RECIPE=fp8 WORKLOAD=smoke SUITE=app ARTIFACTS="$QPIPE_ARTIFACTS"
 step "checks"
 .venv/bin/python scripts/gpu_checks.py
 echo "[gpu-smoke] done in $(( $(date +%s) - start )) s"

@@ -70,6 +70,14 @@ setup_pipeline() {
   say "pipeline environment ready: $(versions "$VENV" llmcompressor compressed-tensors transformers torch lm-eval mlflow)"
 }
 
+setup_ray() {
+  [ -x "$VENV/bin/python" ] || fail "the pipeline environment ($VENV) is missing: run scripts/setup.sh pipeline first"
+  say "installing Ray into $VENV from requirements/ray.txt (EXECUTOR=ray, and its tests)"
+  pip_install "$VENV" -r requirements/ray.txt \
+    || fail "pip could not install requirements/ray.txt (see above)"
+  "$VENV/bin/python" -c "import ray" || fail "Ray installed but does not import (see above)"
+}
+
 serve_target() {
   if [ "$SERVE_TARGET" != auto ]; then echo "$SERVE_TARGET"; return; fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi
@@ -158,7 +166,8 @@ PY
 case "${1:-}" in
   pipeline) setup_pipeline ;;
   serve) setup_serve ;;
+  ray) setup_ray ;;
   target) serve_target ;;                 # cpu | cuda: the Makefile keeps one stamp per target
   check-cuda) check_cuda "${2:-$VENV}" ;;
-  *) echo "usage: $0 pipeline|serve|target|check-cuda [VENV]" >&2; exit 2 ;;
+  *) echo "usage: $0 pipeline|serve|ray|target|check-cuda [VENV]" >&2; exit 2 ;;
 esac

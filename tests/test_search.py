@@ -11,7 +11,7 @@ import yaml
 
 from pipeline.core import paths
 from pipeline.core.artifacts import SensitivityTable, UnitDamage
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, RecipeError
 from pipeline.search import budget as budgets
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
@@ -268,14 +268,19 @@ def test_sensitivity_and_search_on_a_tiny_model_give_a_recipe_whose_bytes_are_as
     from pipeline.quantize import stage as quantize
     from pipeline.search.settings import ScanOptions, SensitivitySettings
 
-    scan_options = ScanOptions(formats=["int8", "int4"], scan_tokens=64)
+    # the default menu: what vLLM serves here (an AVX2-only CPU has no W4A16 kernel)
+    scan_options = ScanOptions(scan_tokens=64)
     table = stage.sensitivity(SensitivitySettings(baseline=str(tiny_model), scan=scan_options))
-    assert table.formats == ["int8", "int4", "bf16"] and len(table.units) == 8
+    assert table.formats == menus.resolve(None) and "int8" in table.formats
+    assert len(table.units) == 8
     assert table.fusions["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]  # read from vLLM
-    assert table.uniform("int4")[1] > table.uniform("int8")[1] > 0
+    small = "int4" if "int4" in table.formats else "int8"
+    assert table.uniform(small)[1] > 0 and table.uniform(small)[0] < table.uniform("bf16")[0]
+    if small == "int4":
+        assert table.uniform("int4")[1] > table.uniform("int8")[1]
     again = stage.sensitivity(SensitivitySettings(baseline=str(tiny_model), scan=scan_options))
     assert again == table  # cached by content: nothing measured twice
-    shown = SensitivityTable.root(table.baseline["name"]) / "int8+int4+bf16"
+    shown = SensitivityTable.root(table.baseline["name"]) / "+".join(table.formats)
     assert (shown / "sensitivity.png").is_file() and (shown / "sensitivity.txt").is_file()
 
     recipes_dir = tmp_path / "recipes"
@@ -283,19 +288,40 @@ def test_sensitivity_and_search_on_a_tiny_model_give_a_recipe_whose_bytes_are_as
     (recipes_dir / "calibration" / "python-reference.jsonl").write_text(
         (paths.CALIBRATION_DIR / "python-reference.jsonl").read_text())
     monkeypatch.setattr(paths, "RECIPES_DIR", recipes_dir)
-    path = stage.run_search(SearchSettings(baseline=str(tiny_model), budget="1.3xint4",
+    budget = f"1.3x{small}"
+    path = stage.run_search(SearchSettings(baseline=str(tiny_model), budget=budget,
                                            scan=scan_options))
-    assert path == recipes_dir / "searched-1.3xint4.yaml"
+    assert path == recipes_dir / f"searched-{budget}.yaml"
     block = yaml.safe_load(path.read_text())["qpipe"]["search"]
-    assert block["weight_bytes"] <= 1.3 * table.uniform("int4")[0]
+    assert table.uniform(small)[0] < block["weight_bytes"] <= 1.3 * table.uniform(small)[0]
     assert block["sensitivity"] == table.cache_key
     (recipes_dir / "int4.yaml").write_text((paths.PROJECT_ROOT / "recipes/int4.yaml").read_text())
     with pytest.raises(ConfigError, match="a recipe that was not searched"):
-        stage.run_search(SearchSettings(baseline=str(tiny_model), budget="1.3xint4",
+        stage.run_search(SearchSettings(baseline=str(tiny_model), budget=budget,
                                         name="int4", scan=scan_options))
 
     recipe = recipes.load(str(path)).with_calibration(num_samples=4, max_seq_length=32)
     manifest = quantize.quantize(baselines.resolve(str(tiny_model)), recipe)
     # the byte model the solver used is the checkpoint's: predicted = stored, to 1%
     assert manifest.weight_bytes == pytest.approx(block["weight_bytes"], rel=0.01)
-    assert manifest.format == "mixed-precision" or block["units"]["int4"] in (0, 8)
+    quantized = {fmt for fmt, n in block["units"].items() if n and fmt != "bf16"}
+    assert (manifest.format == "mixed-precision") == (len(quantized) > 1)
+
+
+def test_a_recipe_searched_for_one_baseline_is_refused_for_another(tmp_path: Path):
+    from pipeline.quantize import recipes
+    from pipeline.quantize.stage import quantize
+
+    units = fuse(_linears(1), LLAMA_PACKED)
+    text = searched.recipe_text(Choice(dict.fromkeys(units, "int8"), 1, 0.1), units, "a test",
+                                99, extra={"baseline": "other", "baseline_identity": "abc123"})
+    path = tmp_path / "searched-x.yaml"
+    path.write_text(text)
+    recipe = recipes.load(str(path))
+    assert recipe.searched_for == "abc123"
+
+    class Base:
+        name, identity, source = "tiny", "def456", "/models/tiny"
+    with pytest.raises(RecipeError, match=r"made for another baseline .* `make search "
+                       r"BASELINE=/models/tiny"):
+        quantize(Base(), recipe)  # type: ignore[arg-type]

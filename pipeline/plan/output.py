@@ -20,9 +20,13 @@ def _usable(plan: CapacityPlan) -> int:
 
 
 def budget_left(plan: CapacityPlan, precision: str) -> int:
-    """KV memory left with ``precision``'s weights (negative: short by that much)."""
-    weights = plan.weights[precision].total_bytes
-    return _usable(plan) - weights - plan.settings.reserve_bytes
+    """KV memory left with ``precision``'s weights (negative: short by that much); with
+    tensor/pipeline parallelism, per device times the devices each token's cache is split over."""
+    s = plan.settings
+    per_device = -(-plan.weights[precision].total_bytes // s.devices)
+    left = _usable(plan) - per_device - s.reserve_bytes
+    return left * plan.arch.kv_shards(s.tensor_parallel, s.pipeline_parallel) if left > 0 \
+        else left
 
 
 def report(plan: CapacityPlan, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +91,8 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
         f"  accelerator  {inputs['accelerator']} ({inputs['accelerator_description']}): "
         f"{memory / GIB:,.2f} GiB = {_gb(memory)}",
         "",
-        f"  {'weights':<7}{'size':>11}  {'KV left':>10}  converted (the rest stays bf16)",
+        f"  {'weights':<7}{'size':>11}  {'KV left':>10}  converted (the rest stays bf16)"
+        + (f"; KV left over the {s.devices} devices" if s.devices > 1 else ""),
     ]
     for precision, estimate in plan.weights.items():
         left = budget_left(plan, precision)

@@ -106,6 +106,11 @@ def check_group_sizes(model: Any, llm_recipe: Any, recipe_path: Path) -> None:
 def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False
              ) -> Manifest:
     """Produce (or reuse) the variant of ``base`` made by ``recipe``; returns its manifest."""
+    if recipe.searched_for and recipe.searched_for != base.identity:
+        raise RecipeError(
+            f"{recipe.path}: a searched recipe made for another baseline (identity "
+            f"{recipe.searched_for}; {base.name} is {base.identity}): it names that model's "
+            f"layers. Fix: `make search BASELINE={base.source}` searches for this one.")
     target = paths.variant_dir(base.name, recipe.name)
     key = cache_key(base, recipe)
     manifest = Manifest.load(base.name, recipe.name)

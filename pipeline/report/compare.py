@@ -326,9 +326,11 @@ def _rows(base: BaselineLike, recipes: list[str] | None) -> tuple[list[Row], dic
 def collect(base: BaselineLike, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
             failures: list[dict[str, str]] | None = None, objective: str = "speed",
-            cost_target: CostTarget | None = None) -> Comparison:
+            cost_target: CostTarget | None = None, per_variant: bool = False) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
-    campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows."""
+    campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows.
+    ``per_variant``: each variant was benched beside its own baseline server (a campaign on
+    Ray), so a variant's speedup from its own run, paired there, is compared too."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)} "
                           "(OBJECTIVE= in make, --objective in the CLI).")
@@ -361,8 +363,14 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             head_workload, head_point = _apply_bench(row, summary, entry)
             row.measurement = measurement_label(path, summary)
             sources[f"bench:{row.name}"] = str(path)
+            paired = per_variant and _holds(summary, BASELINE, identities[BASELINE]) is not None \
+                and summary.hardware.get("key") == prof.key()
             if in_reference is not None:
                 workload, load_point = head_workload, head_point
+            elif paired:
+                row.notes.append(f"speed measured beside its own baseline server in "
+                                 f"{row.measurement} (one task per variant on the cluster): its "
+                                 "speedup is paired there, on the same hardware")
             else:
                 row.comparable = False
                 row.notes.append(

@@ -183,7 +183,8 @@ def plot_size(comparison: Comparison) -> tuple[str, str]:
     against weight bytes with the sensitivity model's prediction beside it (right)."""
     plt = _pyplot()
     suite = _primary_suite(comparison)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    fig.subplots_adjust(wspace=0.38)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, row in enumerate(comparison.rows):
         mb = row.weight_bytes / 1e6
@@ -191,7 +192,7 @@ def plot_size(comparison: Comparison) -> tuple[str, str]:
         fig_s = row.suites.get(suite or "", {})
         if row.name == BASELINE:
             left.scatter([mb], [100.0], marker="*", s=120, color="black", zorder=3)
-            left.annotate("baseline", (mb, 100.0), textcoords="offset points", xytext=(-40, 4))
+            left.annotate("baseline", (mb, 100.0), textcoords="offset points", xytext=(-30, 8))
         elif fig_s.get("recovery_pct") is not None:
             y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
             left.errorbar([mb], [y], yerr=[[y - low], [high - y]], fmt="o", capsize=4,

@@ -218,6 +218,7 @@ def run_search(settings: SearchSettings) -> Path:
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
     text = searched.recipe_text(choice, table.units, how, settings.threshold, extra={
+        "baseline": table.baseline["name"], "baseline_identity": table.baseline["identity"],
         "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
