@@ -215,7 +215,8 @@ def run(settings: CampaignSettings) -> Comparison:
         if bench_settings is not None:
             bench_settings = bench_settings.model_copy(update={"recipes": kept})
         eval_settings = eval_settings.model_copy(update={"recipes": kept})
-    clock = _Clock(len(quantize) + (bench_settings is not None) + 2)
+    clock = _Clock(2 * len(quantize) + 2 if settings.executor == "ray"  # quantize, baseline
+                   else len(quantize) + (bench_settings is not None) + 2)  # scores, measure
     log.info(f"campaign {file.name} ({file.path}): {file.description}")
     if settings.executor == "ray":
         failures, left = _on_ray(settings, base, quantize, bench_settings, eval_settings, clock)
@@ -291,9 +292,11 @@ def _on_ray(settings: CampaignSettings, base: baselines.Baseline,
     if not left:
         return failures, left
     first = eval_settings.model_copy(update={"recipes": ("none",)})
-    run("baseline scores", [executor.Task(
-        "eval baseline", (executor.qpipe("eval", *to_argv(first)),), logs / "eval-baseline.log",
-        gpus_if_any=servers, resources=extra)])
+    failures += [{"variant": "baseline", "stage": "eval", "reason": o.reason, "log": o.log}
+                 for o in run("baseline scores", [executor.Task(
+                     "eval baseline", (executor.qpipe("eval", *to_argv(first)),),
+                     logs / "eval-baseline.log", gpus_if_any=servers, resources=extra)])
+                 if not o.ok]
     measure = []
     for recipe in left:
         commands = []

@@ -177,8 +177,9 @@ class _Stages:
 
         def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
                     failures: list[dict[str, str]], objective: str,
-                    cost: object) -> tuple[object, list]:
+                    cost: object, per_variant: bool = False) -> tuple[object, list]:
             self.calls["compare"] = recipes
+            self.calls["per_variant"] = per_variant
             self.calls["cost"] = cost
             return Comparison(baseline="tiny", rows=[], workload="", load_point=None,
                               plan_target=PlanTarget(), recommendation=None, reason="",
@@ -201,6 +202,7 @@ def test_a_campaign_calls_each_stage_without_the_recipe_that_failed_before_it(
     assert stages.calls["bench"].recipes == ("fp8",)  # type: ignore[attr-defined]
     assert stages.calls["eval"].recipes == ("fp8",)  # type: ignore[attr-defined]
     assert stages.calls["compare"] == ["fp8"]
+    assert stages.calls["per_variant"] is False  # one bench run pairs every variant locally
     assert info.value.exit_code == 1 and "int4 in quantize: boom (log q.log)" in str(info.value)
 
 

@@ -164,16 +164,16 @@ def test_the_scan_measures_each_unit_alone_and_leaves_the_model_as_it_was(tiny_m
              and n != "lm_head"]
     units = fuse(names, LLAMA_PACKED)
     seen = []
-    table = scan(model, units, ["int4", "int8", "bf16"], windows,
+    table = scan(model, units, ["int4", "int8", "fp8", "bf16"], windows,
                  progress=lambda i, n, damages: seen.append((i, n)))
     assert seen[-1] == (len(units), len(units))
     by = {(d.unit, d.format): d for d in table}
-    assert len(by) == 3 * len(units)
+    assert len(by) == 4 * len(units)
     for unit in units:
-        int4, int8, bf16 = (by[unit, f] for f in ("int4", "int8", "bf16"))
+        int4, int8, fp8, bf16 = (by[unit, f] for f in ("int4", "int8", "fp8", "bf16"))
         assert bf16.kl_div_mean == 0 and bf16.top1_agreement == 1
-        assert int4.bytes < int8.bytes < bf16.bytes
-        assert int4.kl_div_mean > 0 and int8.kl_div_mean >= 0
+        assert int4.bytes < int8.bytes == fp8.bytes < bf16.bytes
+        assert int4.kl_div_mean > 0 and int8.kl_div_mean >= 0 and fp8.kl_div_mean > 0
     # 4 bits hurt more than 8 (summed over the model: single units can be noise-level)
     assert sum(by[u, "int4"].kl_div_mean for u in units) > 4 * sum(
         by[u, "int8"].kl_div_mean for u in units)
@@ -236,9 +236,10 @@ def test_the_search_chooses_within_the_budget_over_the_whole_model():
 
 def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPatch):
     reason = "_C_AVX2 has no cpu_gemm_wna16 (CPUWNA16 kernel) (probe)"
-    monkeypatch.setattr(menus, "support", lambda: {"int4": (False, reason),
-                                                   "int8": (True, "oneDNN (probe)")})
-    assert menus.resolve(None) == ["int8", "bf16"]
+    monkeypatch.setattr(menus, "support", lambda: {
+        "int4": (False, reason), "int8": (True, "oneDNN (probe)"),
+        "fp8": (True, "a torch scaled-mm path (vLLM 0.32 source)")})
+    assert menus.resolve(None) == ["int8", "fp8", "bf16"]
     with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine: "
                        "_C_AVX2 has no cpu_gemm_wna16"):
         menus.resolve(["int4", "bf16"])

@@ -52,7 +52,7 @@ class Outcome:
     node: str  # host and Ray node id (local: this host)
     log: str
     reason: str = ""
-    attempts: int = 1
+    attempts: int = 1  # a failure is reported after its retry: 2
     seconds: float = 0.0
 
 
@@ -68,7 +68,7 @@ def forwarded_env() -> dict[str, str]:
 def run_commands(commands: tuple[tuple[str, ...], ...], log_path: str, env: dict[str, str],
                  cwd: str) -> dict[str, str]:
     """Run ``commands`` in order, output appended to ``log_path``; raises on the first failure.
-    What a Ray worker (or the local executor) executes for one task."""
+    What a Ray worker executes for one task."""
     host = socket.gethostname()
     try:
         import ray

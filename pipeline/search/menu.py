@@ -18,10 +18,8 @@ from pipeline.serve import doctor
 log = qlog.get("search")
 # formats the shipped recipes use that a searched recipe cannot hold yet, and why
 NOT_IN_MENU = {
-    "fp8": "not offered: mixing FP8 W8A8 with the integer formats in one checkpoint has not "
-           "been checked in vLLM (and on CPUs FP8 runs through a slow torch path)",
     "mxfp4": "not offered: MXFP4 has no vLLM CPU kernel, and mixing it with other formats in "
-             "one checkpoint has not been checked on GPUs",
+             "one checkpoint has not been checked on GPUs (the GPU lent here cannot hold vLLM)",
 }
 
 

@@ -24,6 +24,10 @@ FORMATS: dict[str, dict[str, Any]] = {
                          "strategy": "channel"},
              "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
                                    "strategy": "token", "dynamic": True}},
+    "fp8": {"weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                        "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                  "strategy": "token", "dynamic": True}},
 }
 CALIBRATION = {"dataset": "calibration/python-reference.jsonl", "num_samples": 32,
                "max_seq_length": 256, "seed": 42}
