@@ -279,7 +279,7 @@ def _on_ray(settings: CampaignSettings, base: baselines.Baseline,
 
     def run(label: str, tasks: list[executor.Task]) -> list[executor.Outcome]:
         clock.next(f"{label} on Ray: {len(tasks)} task(s)", max(1, len(tasks)))
-        return executor.run(tasks, "ray", settings.ray_address)
+        return executor.run(tasks, settings.ray_address)
 
     tracking.prepare(base.name)  # tasks that log at once must not race on a new store
     outcomes = run("quantize", [executor.Task(

@@ -240,3 +240,13 @@ def test_the_engine_passes_tensor_and_pipeline_parallel_to_every_server(tmp_path
     assert cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in VllmServer(tmp_path, "m", EngineSettings(), log,
                                                   target="cuda").command()
+
+
+def test_one_device_leaves_the_measurements_keys_as_they_were():
+    from pipeline.serve.settings import EngineSettings
+
+    one, four = EngineSettings(), EngineSettings(tensor_parallel_size=4)
+    assert "tensor_parallel_size" not in one.identity()
+    assert "engine.pipeline_parallel_size" not in one.as_params()
+    assert four.identity()["tensor_parallel_size"] == 4
+    assert four.as_params()["engine.tensor_parallel_size"] == 4

@@ -38,7 +38,7 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                # a request file counts by its content (file_sha256), not where it lies
                "workloads": [{**dataclasses.asdict(w), "path": w.name, "prompts": "",
                               "trace": ""} for w in loads],
-               "engine": settings.model_dump(), "target": target, "vllm": vllm_version(),
+               "engine": settings.identity(), "target": target, "vllm": vllm_version(),
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
                           ).hexdigest()[:16]

@@ -28,7 +28,6 @@ from pipeline.core import paths, procs
 from pipeline.core.errors import ConfigError
 
 log = qlog.get("all")
-EXECUTORS = ("local", "ray")
 # what a task's commands need from the driver's environment on any node
 FORWARDED = ("QPIPE_", "MLFLOW_", "HF_", "VLLM_", "SERVE_TARGET", "CUDA_VISIBLE_DEVICES")
 
@@ -103,14 +102,11 @@ def _last_line(path: Path) -> str:
     return (mine or lines or [""])[-1][:400]
 
 
-def run(tasks: list[Task], executor: str = "ray", address: str | None = None
-        ) -> list[Outcome]:
-    """Run every task on the cluster; one outcome per task (failures reported, not raised).
-    The outcomes (node, attempts, time) are appended to ``artifacts/logs/executor.jsonl``.
-    (``local`` is the campaign's own in-process path; it does not come here.)"""
-    if executor != "ray":
-        raise ConfigError(f"EXECUTOR={executor}: the executor runs tasks on Ray; "
-                          f"{', '.join(EXECUTORS)} are the choices.")
+def run(tasks: list[Task], address: str | None = None) -> list[Outcome]:
+    """Run every task on the Ray cluster; one outcome per task (failures reported, not
+    raised). The outcomes (node, attempts, seconds since submission) are appended to
+    ``artifacts/logs/executor.jsonl``. (``EXECUTOR=local`` is the campaign's own in-process
+    path and does not come here.)"""
     for task in tasks:
         task.log.parent.mkdir(parents=True, exist_ok=True)
         task.log.write_bytes(b"")
@@ -126,8 +122,8 @@ def _run_ray(tasks: list[Task], address: str | None) -> list[Outcome]:
     try:
         import ray
     except ImportError:
-        raise ConfigError("EXECUTOR=ray needs Ray in the pipeline environment (`pip install "
-                          "ray`; `make setup` installs it).") from None
+        raise ConfigError("EXECUTOR=ray needs Ray in the pipeline environment: `make all "
+                          "EXECUTOR=ray` installs it (or `scripts/setup.sh ray`).") from None
     started_here = not ray.is_initialized()
     if started_here:
         # an existing cluster (RAY_ADDRESS= or the argument), else a local instance that

@@ -226,14 +226,16 @@ def run_search(settings: SearchSettings) -> Path:
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, how, path))
     base_name = table.baseline["name"]
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    if tracking.find_run(base_name, SEARCH, key):  # the same recipe searched before
+        return path
     tracking.log_run(
         base_name, SEARCH, f"search:{name}",
         params={tracking.PARAM_BASELINE: base_name, tracking.PARAM_RECIPE: name, "how": how,
                 "formats": ",".join(table.formats), "sensitivity": table.cache_key},
         metrics={"predicted_weight_bytes": choice.bytes, "predicted_kl": choice.damage,
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
-        tags={tracking.TAG_CACHE_KEY: hashlib.sha256(text.encode()).hexdigest()[:16]},
-        artifacts=[path])
+        tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])
     return path
 
 

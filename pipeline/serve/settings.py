@@ -48,5 +48,12 @@ class EngineSettings(BaseModel):
             return self
         return self.model_copy(update={"enforce_eager": target == "cpu"})
 
+    def identity(self) -> dict[str, Any]:
+        """What a measurement's cache key holds of the engine: every field, except a parallel
+        size of 1 (one device, as before those fields existed: earlier measurements stay
+        valid)."""
+        return {k: v for k, v in self.model_dump().items()
+                if not (k in ("tensor_parallel_size", "pipeline_parallel_size") and v == 1)}
+
     def as_params(self) -> dict[str, Any]:
-        return {f"engine.{k}": v for k, v in self.model_dump().items() if v not in (None, ())}
+        return {f"engine.{k}": v for k, v in self.identity().items() if v not in (None, ())}
