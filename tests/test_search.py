@@ -1,10 +1,11 @@
-"""Precision search, the parts built so far: fused units, the exact solver, the emitted recipe."""
+"""Precision search: fused units, the exact solver, the emitted recipe, the menu, the stages."""
 
 from __future__ import annotations
 
 import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -239,7 +240,12 @@ def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(menus, "support", lambda: {
         "int4": (False, reason), "int8": (True, "oneDNN (probe)"),
         "fp8": (True, "a torch scaled-mm path (vLLM 0.32 source)")})
+    monkeypatch.setattr(menus.hardware, "profile", lambda: SimpleNamespace(target="cuda"))
     assert menus.resolve(None) == ["int8", "fp8", "bf16"]
+    # on a CPU, fp8 is served but slowly: asked for by name only
+    monkeypatch.setattr(menus.hardware, "profile", lambda: SimpleNamespace(target="cpu"))
+    assert menus.resolve(None) == ["int8", "bf16"]
+    assert menus.resolve(["int8", "fp8"]) == ["int8", "fp8", "bf16"]
     with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine: "
                        "_C_AVX2 has no cpu_gemm_wna16"):
         menus.resolve(["int4", "bf16"])

@@ -17,6 +17,14 @@ from pipeline.serve import doctor
 
 log = qlog.get("search")
 # formats the shipped recipes use that a searched recipe cannot hold yet, and why
+# served here, but so slowly that a search for the least damage would trade the model's speed
+# for a little accuracy unawares: left out of the default menu (FORMATS= adds it), by target
+SLOW = {
+    "cpu": {"fp8": "vLLM CPU runs FP8 W8A8 through a torch scaled-mm path, the slowest format "
+                   "there (uniform fp8 served at 0.09x the baseline's throughput and a searched "
+                   "mix with fp8 units at 0.28x, on this project's 2-core CPU); FORMATS=\"int4 "
+                   "int8 fp8\" adds it"},
+}
 NOT_IN_MENU = {
     "mxfp4": "not offered: MXFP4 has no vLLM CPU kernel, and mixing it with other formats in "
              "one checkpoint has not been checked on GPUs (the GPU lent here cannot hold vLLM)",
@@ -38,13 +46,16 @@ def support() -> dict[str, tuple[bool, str]]:
 
 
 def resolve(requested: list[str] | None) -> list[str]:
-    """The menu: ``requested`` checked, or every format served here; bf16 always last."""
+    """The menu: ``requested`` checked, or every format served here at speed; bf16 last."""
     served = support()
     if requested is None:
-        menu = [fmt for fmt, (ok, _) in served.items() if ok]
+        slow = SLOW.get(hardware.profile().target, {})
+        menu = [fmt for fmt, (ok, _) in served.items() if ok and fmt not in slow]
         for fmt, (ok, why) in served.items():
             if not ok:
                 log.info(f"{fmt} left out of the menu: vLLM does not serve it here ({why})")
+            elif fmt in slow:
+                log.info(f"{fmt} left out of the default menu: {slow[fmt]}")
         return [*menu, KEEP]
     menu = []
     for fmt in dict.fromkeys(f.strip().lower() for f in requested):
