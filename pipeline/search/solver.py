@@ -70,28 +70,34 @@ def _solve(options: dict[str, list[Option]], cost: str, bound_of: str, bound: fl
                   damage=sum(o.damage for _, o in picked))
 
 
-def least_damage(options: dict[str, list[Option]], budget_bytes: int) -> Choice:
-    """The choice with the least predicted damage whose weights fit ``budget_bytes``."""
-    return _within(options, "damage", "bytes", budget_bytes, lambda tightest: (
-        f"no choice of formats fits {budget_bytes:,} bytes of weights: the smallest is "
-        f"{tightest:,.0f} bytes (every unit at its smallest format). Fix: BUDGET= at least "
-        f"{tightest:,.0f} bytes."))
+def least_damage(options: dict[str, list[Option]], budget_bytes: int,
+                 fixed_bytes: int = 0) -> Choice:
+    """The choice with the least predicted damage whose weights fit ``budget_bytes``, of which
+    ``fixed_bytes`` (weights no format changes) are taken already; totals include them."""
+    return _within(options, "damage", "bytes", budget_bytes - fixed_bytes, fixed_bytes,
+                   lambda tightest: (
+                       f"no choice of formats fits {budget_bytes:,} bytes of weights: the "
+                       f"smallest is {fixed_bytes + tightest:,.0f} bytes (every unit at its "
+                       f"smallest format). Fix: BUDGET= at least {fixed_bytes + tightest:,.0f} "
+                       "bytes."))
 
 
-def fewest_bytes(options: dict[str, list[Option]], max_damage: float) -> Choice:
-    """The smallest weights whose predicted damage stays within ``max_damage``."""
-    return _within(options, "bytes", "damage", max_damage, lambda tightest: (
+def fewest_bytes(options: dict[str, list[Option]], max_damage: float,
+                 fixed_bytes: int = 0) -> Choice:
+    """The smallest weights whose predicted damage stays within ``max_damage`` (totals include
+    ``fixed_bytes``)."""
+    return _within(options, "bytes", "damage", max_damage, fixed_bytes, lambda tightest: (
         f"no choice of formats keeps the predicted damage within {max_damage:g}: the least is "
         f"{tightest:g} (every unit at its least damaging format). Fix: a damage budget of at "
         f"least {tightest:g}."))
 
 
 def _within(options: dict[str, list[Option]], cost: str, bound_of: str, bound: float,
-            unmeetable: Callable[[float], str]) -> Choice:
+            fixed_bytes: int, unmeetable: Callable[[float], str]) -> Choice:
     _check(options)
     tightest = sum(min(getattr(o, bound_of) for o in opts) for opts in options.values())
     if bound < tightest:
         raise ConfigError(unmeetable(tightest))
     found = _solve(options, cost, bound_of, bound + 1e-9 * max(1.0, abs(bound)))
     assert found is not None  # feasible: the tightest choice meets the bound
-    return found
+    return Choice(found.formats, fixed_bytes + found.bytes, found.damage)

@@ -190,21 +190,12 @@ def choose(table: SensitivityTable, settings: SearchSettings) -> tuple[Choice, s
         if limit <= fixed:
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
-        smallest = fixed + sum(min(o.bytes for o in opts) for opts in options(table).values())
-        if limit < smallest:
-            raise ConfigError(
-                f"BUDGET={settings.budget}: no choice of formats fits {reads} = {limit:,} "
-                f"bytes: the smallest is {smallest:,} bytes (every unit at its smallest format; "
-                f"{smallest / table.baseline_weight_bytes:.1%} of the baseline). Fix: BUDGET= at "
-                f"least {smallest:,}.")
-        found = least_damage(options(table), limit - fixed)
         how = f"least predicted damage within {reads} = {limit:,} bytes of weights"
-        name = f"searched-{budgets.slug(settings.budget)}"
-    else:
-        found = fewest_bytes(options(table), float(settings.max_damage or 0))
-        how = f"fewest weight bytes with predicted damage <= {settings.max_damage:g}"
-        name = f"searched-kl{settings.max_damage:g}"
-    return Choice(found.formats, fixed + found.bytes, found.damage), how, name
+        return (least_damage(options(table), limit, fixed), how,
+                f"searched-{budgets.slug(settings.budget)}")
+    damage = float(settings.max_damage or 0)
+    return (fewest_bytes(options(table), damage, fixed),
+            f"fewest weight bytes with predicted damage <= {damage:g}", f"searched-kl{damage:g}")
 
 
 def run_search(settings: SearchSettings) -> Path:
