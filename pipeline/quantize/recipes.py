@@ -48,7 +48,13 @@ class RecipeFile:
     calibration: Calibration | None  # None: data-free (RTN, dynamic activations)
     recovery_threshold_pct: float | None
     stages: dict[str, Any]  # the llmcompressor part, as parsed
-    searched_for: str | None = None  # a searched recipe: the baseline identity it was made for
+    search: dict[str, Any] = dataclasses.field(default_factory=dict)  # qpipe.search: how a
+    # searched recipe was chosen (empty for any other)
+
+    @property
+    def searched_for(self) -> str | None:
+        """A searched recipe: the baseline identity it was made for."""
+        return self.search.get("baseline_identity")
 
     def with_calibration(self, **overrides: Any) -> RecipeFile:
         """A copy with calibration fields overridden (CLI / Makefile); data-free stays data-free."""
@@ -111,7 +117,7 @@ def load(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> RecipeFile
         calibration=_calibration(path, text, settings.get("calibration")),
         recovery_threshold_pct=float(threshold) if threshold is not None else None,
         stages=stages,
-        searched_for=(settings.get("search") or {}).get("baseline_identity"),
+        search=dict(settings.get("search") or {}),
     )
 
 

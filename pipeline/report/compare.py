@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.core import hardware
 from pipeline.core.artifacts import (
     EMULATED,
@@ -32,7 +30,7 @@ from pipeline.core.artifacts import (
     SensitivityTable,
     manifests,
 )
-from pipeline.core.errors import ConfigError, PlanError
+from pipeline.core.errors import ConfigError, PlanError, RecipeError
 from pipeline.core.hardware import Profile
 from pipeline.core.paths import variant_dir
 from pipeline.core.variant import BASELINE, BaselineLike
@@ -42,6 +40,7 @@ from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.plan.accelerators import get_accelerator
 from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.quantize import checkpoint
+from pipeline.quantize import recipes as recipe_files
 from pipeline.report import cost, crossover
 from pipeline.report.recommend import OBJECTIVES, recommend
 
@@ -287,11 +286,10 @@ def _apply_search(row: Row, base: BaselineLike, tables: list[SensitivityTable]) 
     prediction, or, for a uniform int4/int8 recipe, the table with every unit in its format."""
     recipe = variant_dir(base.name, row.recipe) / "qpipe_recipe.yaml"
     try:
-        block = (yaml.safe_load(recipe.read_text()) or {}).get("qpipe") or {}
-    except (OSError, yaml.YAMLError):
-        block = {}
-    found = block.get("search")
-    if isinstance(found, dict) and "predicted_damage" in found:
+        found = recipe_files.load(str(recipe)).search if recipe.is_file() else {}
+    except RecipeError:
+        found = {}
+    if "predicted_damage" in found:
         row.search = {"predicted_kl": float(found["predicted_damage"]),
                       "predicted_weight_bytes": int(found.get("weight_bytes") or 0),
                       "basis": f"searched: {found.get('how', '?')}"}

@@ -204,7 +204,7 @@ def run_search(settings: SearchSettings) -> Path:
     choice, how, default_name = choose(table, settings)
     name = settings.name or default_name
     path = paths.RECIPES_DIR / f"{name}.yaml"
-    if path.exists() and "search" not in _qpipe_block(path):
+    if path.exists() and not recipes.load(str(path)).search:
         raise ConfigError(f"{path} is a recipe that was not searched; it is left as it is. "
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
@@ -228,13 +228,6 @@ def run_search(settings: SearchSettings) -> Path:
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
         tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])
     return path
-
-
-def _qpipe_block(path: Path) -> dict[str, Any]:
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    return data.get("qpipe") or {}
 
 
 def _summary(table: SensitivityTable, choice: Choice, how: str, path: Path) -> str:
