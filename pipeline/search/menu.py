@@ -2,9 +2,10 @@
 
 A searched checkpoint mixes formats layer by layer (compressed-tensors ``mixed-precision``);
 vLLM picks a kernel per layer, so each format in the menu must be one it serves here. Verified
-on vLLM CPU 0.32 with AVX-512: W8A8-int8 + W4A16 + bf16 in one model (docs/precision-search.md);
-on GPUs from vLLM's kernel rules (CUTLASS int8, Machete/Marlin W4A16). A format not served here
-is refused with the engine's reason (``qpipe doctor``'s evidence).
+on vLLM CPU 0.32 with AVX-512: FP8 W8A8 + W8A8-int8 + W4A16 + bf16 in one model
+(docs/precision-search.md); on GPUs from vLLM's kernel rules (CUTLASS int8 and FP8,
+Machete/Marlin W4A16). A format not served here is refused with the engine's reason
+(``qpipe doctor``'s evidence): FP8 weight-only (below compute capability 8.9) is not FP8 W8A8.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pipeline.search.recipe import FORMATS, KEEP
 from pipeline.serve import doctor
 
 log = qlog.get("search")
-# formats the shipped recipes use that a searched recipe cannot hold yet, and why
 # served here, but so slowly that a search for the least damage would trade the model's speed
 # for a little accuracy unawares: left out of the default menu (FORMATS= adds it), by target
 SLOW = {
@@ -25,6 +25,7 @@ SLOW = {
                    "mix with fp8 units at 0.28x, on this project's 2-core CPU); FORMATS=\"int4 "
                    "int8 fp8\" adds it"},
 }
+# formats the shipped recipes use that a searched recipe cannot hold yet, and why
 NOT_IN_MENU = {
     "mxfp4": "not offered: MXFP4 has no vLLM CPU kernel, and mixing it with other formats in "
              "one checkpoint has not been checked on GPUs (the GPU lent here cannot hold vLLM)",

@@ -42,6 +42,10 @@ SENSITIVITY, SEARCH = "sensitivity", "search"
 TEXT_FILE, PLOT_FILE = "sensitivity.txt", "sensitivity.png"
 
 
+def _table_dir(baseline_name: str, formats: list[str]) -> Path:
+    return SensitivityTable.root(baseline_name) / SensitivityTable.menu_name(formats)
+
+
 def _architecture(base: baselines.Baseline) -> str:
     config = json.loads((base.path / "config.json").read_text())
     archs = config.get("architectures") or []
@@ -94,7 +98,7 @@ def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
     fusions, fusion_source = packed_modules(architecture)
     text = divergence.heldout_text()
     key = _cache_key(base, formats, text, settings.scan.scan_tokens, fusions)
-    target = SensitivityTable.root(base.name) / SensitivityTable.menu_name(formats)
+    target = _table_dir(base.name, formats)
     table = SensitivityTable.read(target / SensitivityTable.FILE)
     if table is not None and table.cache_key == key and not settings.force:
         log.info(f"the sensitivity table of {base.name} for {', '.join(formats)} is up to date "
@@ -167,8 +171,7 @@ def run_sensitivity(settings: SensitivitySettings) -> SensitivityTable:
     """``make sensitivity``: measure (or reuse) the table and print it."""
     table = sensitivity(settings)
     print(tables.render(table))
-    target = SensitivityTable.root(table.baseline["name"]) / SensitivityTable.menu_name(
-        table.formats)
+    target = _table_dir(table.baseline["name"], table.formats)
     print(f"\nheat-map: {target / PLOT_FILE}\ntable: {target / SensitivityTable.FILE}")
     return table
 
@@ -215,7 +218,7 @@ def run_search(settings: SearchSettings) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
-    print(_summary(table, choice, how, path))
+    print(_summary(table, choice, counts, how, path))
     base_name = table.baseline["name"]
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if tracking.find_run(base_name, SEARCH, key):  # the same recipe searched before
@@ -230,8 +233,8 @@ def run_search(settings: SearchSettings) -> Path:
     return path
 
 
-def _summary(table: SensitivityTable, choice: Choice, how: str, path: Path) -> str:
-    counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
+def _summary(table: SensitivityTable, choice: Choice, counts: dict[str, int], how: str,
+             path: Path) -> str:
     lines = [f"{paths.shown(path)}: {how}",
              "units: " + ", ".join(f"{n} {fmt}" for fmt, n in counts.items()),
              f"{'':22}{'weights':>12}{'predicted KL':>14}",
