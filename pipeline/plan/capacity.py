@@ -261,6 +261,10 @@ class PlanSettings:
     def devices(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
+    def per_device(self, weight_bytes: int) -> int:
+        """Each device's share of ``weight_bytes`` (rounded up)."""
+        return _cdiv(weight_bytes, self.devices)
+
 
 @dataclass(frozen=True)
 class CapacityPlan:
@@ -336,15 +340,15 @@ def plan_capacity(config: Mapping[str, Any] | Architecture, settings: PlanSettin
         budget = s.kv_budget_bytes
     else:
         assert s.memory_bytes is not None
-        per_device = _cdiv(weights[s.weights].total_bytes, s.devices)
         try:
             # each device: its share of the weights, its share of every token's KV cache
-            budget = kv_budget(s.memory_bytes, s.utilization, per_device, s.reserve_bytes) * \
+            budget = kv_budget(s.memory_bytes, s.utilization,
+                               s.per_device(weights[s.weights].total_bytes), s.reserve_bytes) * \
                 arch.kv_shards(s.tensor_parallel, s.pipeline_parallel)
         except PlanError as err:
             usable = int(s.memory_bytes * s.utilization) - s.reserve_bytes
             fitting = [f"{p} ({w.total_bytes / 1e9:.2f} GB)" for p, w in weights.items()
-                       if _cdiv(w.total_bytes, s.devices) < usable]
+                       if s.per_device(w.total_bytes) < usable]
             others = f" Precisions that fit: {', '.join(fitting)}." if fitting else ""
             split = f" over {s.devices} devices (TP {s.tensor_parallel} x PP " \
                     f"{s.pipeline_parallel})" if s.devices > 1 else ""

@@ -23,8 +23,7 @@ def budget_left(plan: CapacityPlan, precision: str) -> int:
     """KV memory left with ``precision``'s weights (negative: short by that much); with
     tensor/pipeline parallelism, per device times the devices each token's cache is split over."""
     s = plan.settings
-    per_device = -(-plan.weights[precision].total_bytes // s.devices)
-    left = _usable(plan) - per_device - s.reserve_bytes
+    left = _usable(plan) - s.per_device(plan.weights[precision].total_bytes) - s.reserve_bytes
     return left * plan.arch.kv_shards(s.tensor_parallel, s.pipeline_parallel) if left > 0 \
         else left
 
@@ -128,10 +127,10 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
         lines.append(f"  {_gb(plan.kv_budget_bytes)} for the KV cache, given directly")
     elif s.devices > 1:
         shards = arch.kv_shards(s.tensor_parallel, s.pipeline_parallel)
-        per_device = -(-plan.weight_bytes // s.devices)
         lines.append(
             f"  per device (TP {s.tensor_parallel} x PP {s.pipeline_parallel}): {_gb(memory)} x "
-            f"{s.utilization:g} = {_gb(_usable(plan))} - {_gb(per_device)} of the weights "
+            f"{s.utilization:g} = {_gb(_usable(plan))} - {_gb(s.per_device(plan.weight_bytes))} "
+            "of the weights "
             f"({s.weights}) - {_gb(s.reserve_bytes)} reserve = "
             f"{_gb(plan.kv_budget_bytes / shards)} of KV cache, each token's split over {shards} "
             f"device{'s' if shards > 1 else ''}: as {_gb(plan.kv_budget_bytes)} on one")

@@ -119,10 +119,9 @@ def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget
     import dataclasses
 
     settings = plan_settings(target, "bf16", 128, row.kv_dtype)
-    dense = capacity.plan_capacity(config, settings)
-    weights = int(dense.weights["bf16"].total_bytes * row.weight_ratio)
-    budget = settings.kv_budget_bytes or capacity.kv_budget(
-        settings.memory_bytes or 0, settings.utilization, weights, settings.reserve_bytes)
+    weights = int(capacity.plan_capacity(config, settings).weight_bytes * row.weight_ratio)
+    budget = capacity.kv_budget(settings.memory_bytes or 0, settings.utilization, weights,
+                                settings.reserve_bytes)
     plan = capacity.plan_capacity(config, dataclasses.replace(settings, kv_budget_bytes=budget))
     row.notes.append("plan: mixed precision, planned with the bf16 weights scaled by the "
                      f"checkpoint's measured {row.weight_ratio:.3f}")
