@@ -27,6 +27,19 @@ repeats: 2
 seed: 7
 """
 
+# A campaign of two recipes on the tiny model, no bench stage (its serving path is tested in
+# test_bench; here it would add minutes): the comparison shows those variants as "not benched",
+# which is also what a user sees before `make bench`.
+TINY_CAMPAIGN = """\
+description: tiny end-to-end campaign
+recipes: [fp8, mxfp4]
+workloads: []
+suites: [app]
+limit: 8
+backend: hf
+divergence: false
+plan: {gpu: h100-80gb, context: 512, max_context: 1024}
+"""
 
 # fixtures that make a test slow (a model made, loaded or served) or need a system service
 SLOW_FIXTURES = {"tiny_model"}

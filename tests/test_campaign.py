@@ -12,24 +12,11 @@ import pytest
 
 from pipeline.core.artifacts import Comparison, Manifest
 from tests import services
-from tests.conftest import TINY_LOAD, run_cli
+from tests.conftest import TINY_CAMPAIGN, TINY_LOAD, run_cli
 
 postgres_uri = services.postgres_uri
 chromium_path = services.chromium_path
 
-# No bench stage (its serving path is tested in test_bench; here it would add minutes): the
-# comparison shows those variants as "not benched", which is also what a user sees before
-# `make bench`.
-CAMPAIGN = """\
-description: tiny end-to-end campaign
-recipes: [fp8, mxfp4]
-workloads: []
-suites: [app]
-limit: 8
-backend: hf
-divergence: false
-plan: {gpu: h100-80gb, context: 512, max_context: 1024}
-"""
 VARIANTS = {"variant:baseline", "variant:fp8", "variant:mxfp4"}
 
 
@@ -44,7 +31,7 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
     tiny_model: Path, workspace: Path, postgres_uri: str, chromium_path: str
 ) -> None:
     spec = workspace / "tiny-campaign.yaml"
-    spec.write_text(CAMPAIGN)
+    spec.write_text(TINY_CAMPAIGN)
     sqlite = f"sqlite:///{workspace / 'campaign.db'}"
     args = ("campaign", "--baseline", str(tiny_model), "--campaign", str(spec))
 

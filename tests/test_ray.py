@@ -21,21 +21,11 @@ import pytest
 
 from pipeline.core.artifacts import Comparison
 from tests import services
-from tests.conftest import TINY_LOAD, run_cli
+from tests.conftest import TINY_CAMPAIGN, TINY_LOAD, run_cli
 
 postgres_uri = services.postgres_uri
 pytest.importorskip("ray")
 
-CAMPAIGN = """\
-description: tiny campaign, two recipes
-recipes: [fp8, mxfp4]
-workloads: []
-suites: [app]
-limit: 8
-backend: hf
-divergence: false
-plan: {gpu: h100-80gb, context: 512, max_context: 1024}
-"""
 SLOT = '{"qpipe_slot": 1}'
 RAY = str(Path(sys.executable).with_name("ray"))
 # figures that are measurements of time or memory: equal only within noise
@@ -97,7 +87,7 @@ def _comparable(snapshot: dict) -> dict:
 def test_a_campaign_on_a_two_node_ray_cluster_matches_the_local_executor(
         tiny_model: Path, tmp_path: Path, ray_cluster: str, postgres_uri: str) -> None:
     spec = tmp_path / "tiny-campaign.yaml"
-    spec.write_text(CAMPAIGN)
+    spec.write_text(TINY_CAMPAIGN)
     args = ("campaign", "--baseline", str(tiny_model), "--campaign", str(spec))
     on_ray, locally = tmp_path / "ray", tmp_path / "local"
     sqlite = f"sqlite:///{tmp_path / 'local.db'}"
@@ -140,7 +130,7 @@ def test_a_campaign_on_a_two_node_ray_cluster_matches_the_local_executor(
 def test_a_failing_task_is_retried_once_then_named_with_its_node_and_log(
         tiny_model: Path, tmp_path: Path, ray_cluster: str) -> None:
     spec = tmp_path / "broken.yaml"
-    spec.write_text(CAMPAIGN.replace("[fp8, mxfp4]", "[fp8, nosuch]"))
+    spec.write_text(TINY_CAMPAIGN.replace("[fp8, mxfp4]", "[fp8, nosuch]"))
     done = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
                    "--executor", "ray", "--ray-address", ray_cluster, "--no-track",
                    env={"QPIPE_ARTIFACTS": str(tmp_path / "artifacts"),
@@ -165,7 +155,7 @@ def test_on_ray_each_variant_is_benched_beside_its_own_baseline_server(
         tiny_model: Path, tmp_path: Path, ray_cluster: str) -> None:
     (tmp_path / "tiny.yaml").write_text(TINY_LOAD)
     spec = tmp_path / "bench.yaml"
-    spec.write_text(CAMPAIGN.replace("[fp8, mxfp4]", "[fp8, int8]").replace(
+    spec.write_text(TINY_CAMPAIGN.replace("[fp8, mxfp4]", "[fp8, int8]").replace(
         "workloads: []", f"workloads: [{tmp_path / 'tiny.yaml'}]"))
     done = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
                    "--executor", "ray", "--ray-address", ray_cluster, "--max-model-len=512",
@@ -196,7 +186,7 @@ def test_on_ray_each_variant_is_benched_beside_its_own_baseline_server(
 def test_ctrl_c_on_a_ray_campaign_cancels_every_task(tiny_model: Path, tmp_path: Path,
                                                      ray_cluster: str) -> None:
     spec = tmp_path / "c.yaml"
-    spec.write_text(CAMPAIGN.replace("[fp8, mxfp4]", "[int4, int8]"))  # GPTQ: seconds long
+    spec.write_text(TINY_CAMPAIGN.replace("[fp8, mxfp4]", "[int4, int8]"))  # GPTQ: seconds long
     env = {**os.environ, "QPIPE_ARTIFACTS": str(tmp_path / "artifacts"),
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "campaign", "--baseline",
