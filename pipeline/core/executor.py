@@ -134,23 +134,21 @@ def _run_ray(tasks: list[Task], address: str | None) -> list[Outcome]:
     remote = ray.remote(max_retries=1, retry_exceptions=True)(run_commands)
     env, cwd = forwarded_env(), str(paths.PROJECT_ROOT)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    refs = {}
-    clock = {}
+    submitted: dict[Any, tuple[Task, float]] = {}  # ref -> (its task, when it was submitted)
     for task in tasks:
-        refs[task.label] = remote.options(
+        ref = remote.options(
             num_cpus=task.num_cpus, num_gpus=task.gpus_if_any if has_gpus else 0,
             resources=dict(task.resources), name=task.label).remote(
                 task.commands, str(task.log), env, cwd)
-        clock[task.label] = time.monotonic()
+        submitted[ref] = (task, time.monotonic())
     outcomes: dict[str, Outcome] = {}
-    by_ref = {ref: task for task, ref in zip(tasks, refs.values(), strict=True)}
-    pending = list(refs.values())
+    pending = list(submitted)
     try:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=30)
             for ref in done:
-                task = by_ref[ref]
-                seconds = round(time.monotonic() - clock[task.label], 1)
+                task, since = submitted[ref]
+                seconds = round(time.monotonic() - since, 1)
                 try:
                     info = ray.get(ref)
                     outcomes[task.label] = Outcome(task.label, True, info["node"], str(task.log),
