@@ -114,12 +114,15 @@ class CampaignSettings(StageSettings):
                                        "cost": self.cost.apply(file.cost)})
 
 
-def stages(settings: CampaignSettings, file: campaigns.CampaignFile
+def stages(settings: CampaignSettings, file: campaigns.CampaignFile,
+           base: baselines.Baseline | None = None
            ) -> tuple[list[QuantizeSettings], bench.BenchSettings | None,
                       evaluation.EvalSettings]:
     """The settings of every stage, in order. The engine settings go to every stage that starts
-    vLLM servers (bench and eval: one configuration for the campaign)."""
-    recipes = list(file.recipes) or paths.yaml_names(paths.RECIPES_DIR)
+    vLLM servers (bench and eval: one configuration for the campaign). Without recipes named,
+    every recipe in recipes/, but, given ``base``, not one searched for another model."""
+    recipes = list(file.recipes) or [r for r in paths.yaml_names(paths.RECIPES_DIR)
+                                      if base is None or _for_this_baseline(r, base)]
     quantize = [QuantizeSettings(baseline=settings.baseline, recipe=r, force=settings.force,
                                  calibration=settings.calibration) for r in recipes]
     bench_settings = bench.BenchSettings(
@@ -137,7 +140,7 @@ def stages(settings: CampaignSettings, file: campaigns.CampaignFile
 def _for_this_baseline(recipe: str, base: baselines.Baseline) -> bool:
     from pipeline.quantize import recipes
 
-    searched_for = recipes.load(recipe).searched_for
+    searched_for = recipes.load(recipe, paths.RECIPES_DIR).searched_for
     if searched_for and searched_for != base.identity:
         log.info(f"recipe {recipe}: left out, searched for another baseline ({searched_for})")
         return False
@@ -208,13 +211,7 @@ def run(settings: CampaignSettings) -> Comparison:
     if settings.track:
         tracking.check_store()  # seconds now, not minutes after the work
     base = baselines.resolve(settings.baseline)
-    quantize, bench_settings, eval_settings = stages(settings, file)
-    if not file.recipes:  # every recipe in recipes/, but not one searched for another model
-        quantize = [q for q in quantize if _for_this_baseline(q.recipe, base)]
-        kept = tuple(q.recipe for q in quantize)
-        if bench_settings is not None:
-            bench_settings = bench_settings.model_copy(update={"recipes": kept})
-        eval_settings = eval_settings.model_copy(update={"recipes": kept})
+    quantize, bench_settings, eval_settings = stages(settings, file, base)
     clock = _Clock(2 * len(quantize) + 2 if settings.executor == "ray"  # quantize, baseline
                    else len(quantize) + (bench_settings is not None) + 2)  # scores, measure
     log.info(f"campaign {file.name} ({file.path}): {file.description}")

@@ -332,3 +332,23 @@ def test_a_recipe_searched_for_one_baseline_is_refused_for_another(tmp_path: Pat
     with pytest.raises(RecipeError, match=r"made for another baseline .* `make search "
                        r"BASELINE=/models/tiny"):
         quantize(Base(), recipe)  # type: ignore[arg-type]
+
+
+def test_a_campaign_of_every_recipe_leaves_out_one_searched_for_another_baseline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from pipeline import campaign
+
+    units = fuse(_linears(1), LLAMA_PACKED)
+    (tmp_path / "int4.yaml").write_text((paths.RECIPES_DIR / "int4.yaml").read_text())
+    for name, identity in (("searched-mine", "def456"), ("searched-other", "abc123")):
+        (tmp_path / f"{name}.yaml").write_text(searched.recipe_text(
+            Choice(dict.fromkeys(units, "int8"), 1, 0.1), units, "a test", 99,
+            extra={"baseline_identity": identity}))
+    monkeypatch.setattr(paths, "RECIPES_DIR", tmp_path)
+    settings = campaign.CampaignSettings(baseline="tiny", track=False)
+    file = settings.file().model_copy(update={"recipes": ()})
+    base = SimpleNamespace(name="tiny", identity="def456")
+    quantize, _, evaluate = campaign.stages(settings, file, base)  # type: ignore[arg-type]
+    assert [q.recipe for q in quantize] == ["int4", "searched-mine"]
+    assert evaluate.recipes == ("int4", "searched-mine")
+    assert len(campaign.stages(settings, file)[0]) == 3  # without a baseline: every recipe
