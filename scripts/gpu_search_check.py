@@ -50,10 +50,7 @@ def tiny_end_to_end(work: Path) -> dict:
                                            name="searched-gpu-check"))
     recipe = recipes.load(str(path)).with_calibration(num_samples=8, max_seq_length=64)
     manifest = quantize.quantize(baselines.resolve(str(model)), recipe)
-    predicted = recipes.load(str(path))
-    import yaml
-
-    block = yaml.safe_load(predicted.text)["qpipe"]["search"]
+    block = recipe.search
     return {"menu": table.formats, "device": table.device, "dtype": table.dtype,
             "units": len(table.units), "uniform_int4": table.uniform("int4"),
             "uniform_int8": table.uniform("int8"), "searched_units": block["units"],
