@@ -76,7 +76,7 @@ class _FakeServer:
         self._metrics, self._log, self.target = metrics, log, target
         self.settings = EngineSettings().resolved(target)
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, phase: str = "") -> str:
         return self._metrics
 
     def log_text(self) -> str:

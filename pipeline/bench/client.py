@@ -90,20 +90,27 @@ def client_argv(server: VllmServer, variant: Variant, workload: Workload, concur
 
 
 def run_client(client: BenchClient, server: VllmServer, variant: Variant, workload: Workload,
-               concurrency: int, out_dir: Path, tag: str, repeat: int = 0) -> dict[str, Any]:
-    """One load point against ``server``; returns vLLM's saved result JSON."""
+               concurrency: int, out_dir: Path, tag: str, repeat: int = 0,
+               phase: str = "a load point") -> dict[str, Any]:
+    """One load point against ``server``; returns vLLM's saved result JSON. A failure names
+    ``phase`` (the step); a server that died during it is the better explanation."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"{tag}.log"
+    during = f"{phase} (vllm bench serve)"
     try:
         client.run(client_argv(server, variant, workload, concurrency, out_dir, tag, repeat), log)
-    except ServeError:
-        server.check_alive()  # a dead server is the better explanation
-        raise
-    server.check_alive()
+    except ServeError as err:  # the client failed: a server that went down is why
+        if server.going_down():
+            raise server.died(during) from None
+        raise ServeError(f"{err} (during {during}, against {variant.name})",
+                         reason=f"the benchmark client failed during {during}: {err.reason}"
+                         ) from None
+    server.check_alive(during)
     result = read_json(out_dir / f"{tag}.json")
     if result.get("failed"):
-        raise ServeError(f"{result['failed']} of {result['num_prompts']} requests to "
-                         f"{variant.name} failed. Client log: {log}; server log: "
-                         f"{server.log_path}",
-                         reason=f"{result['failed']} of {result['num_prompts']} requests failed")
+        errors = [e for e in result.get("errors") or [] if e]
+        first = f" (the first: {str(errors[0]).strip()[:200]})" if errors else ""
+        # requests fail at once when the server goes down: its death is the explanation
+        raise server.lost(during, f"{result['failed']} of {result['num_prompts']} requests "
+                                  f"failed{first}; client log: {log}")
     return result

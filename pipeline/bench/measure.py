@@ -72,6 +72,11 @@ class Step:
     concurrency: int
     caching: bool
 
+    def describe(self) -> str:
+        """The step as errors name it: "load point chat at concurrency 4, repeat 2"."""
+        return (f"load point {self.key} at concurrency {self.concurrency}, repeat "
+                f"{self.repeat + 1}")
+
     def runs_on(self, model: str) -> bool:
         if self.workload.compare_prefix_caching and not self.caching:
             return self.workload.runs_off(model)
@@ -184,8 +189,9 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
                      "enforce_eager": server.settings.enforce_eager}
     if engine_log.weight_memory_bytes:
         record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = engine_log.weight_memory_bytes
-    info = engine_metrics.kv_cache_info(engine_metrics.parse(server.metrics_text()),
-                                        server.log_text())
+    info = engine_metrics.kv_cache_info(
+        engine_metrics.parse(server.metrics_text("the KV-cache read-out (/metrics)")),
+        server.log_text())
     if info is None:
         return
     config = json.loads((record.variant.path / "config.json").read_text())
@@ -302,13 +308,15 @@ def _load_point(client: BenchClient, server: VllmServer, record: ModelRecord, st
     """One run; its prefix-cache counters are checked: a speed sweep must have no hit, and a
     prefix comparison no hit beyond its shared prefix (else the figure is not what it says).
     The engine's preemptions over the run are added to the result (a full KV cache)."""
-    samples = engine_metrics.parse(server.metrics_text())
+    point = step.describe()
+    samples = engine_metrics.parse(server.metrics_text(f"the /metrics scrape before {point}"))
     before = engine_metrics.prefix_cache_counters(samples)
     preempted = engine_metrics.preemptions(samples)
     name = record.variant.name
     result = run_client(client, server, record.variant, step.workload, step.concurrency, out,
-                        f"{name}-{step.key}-c{step.concurrency}-r{step.repeat}", step.repeat)
-    samples = engine_metrics.parse(server.metrics_text())
+                        f"{name}-{step.key}-c{step.concurrency}-r{step.repeat}", step.repeat,
+                        phase=point)
+    samples = engine_metrics.parse(server.metrics_text(f"the /metrics scrape after {point}"))
     after = engine_metrics.prefix_cache_counters(samples)
     result[tracking.PREEMPTIONS] = engine_metrics.preemptions(samples) - preempted
     queries, hits = after[0] - before[0], after[1] - before[1]

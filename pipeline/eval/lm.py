@@ -29,13 +29,10 @@ from pipeline.eval.settings import SEEDS, EvalSettings
 from pipeline.serve.settings import EngineSettings
 
 if TYPE_CHECKING:
-    from pipeline.serve import ServerPool
+    from pipeline.serve import ServeError, ServerPool
+    from pipeline.serve.server import VllmServer
 
 log = qlog.get("eval")
-
-
-
-
 
 
 RESULT_FILE = "qpipe_task_result.json"
@@ -48,6 +45,28 @@ CHANCE_METRICS = {"acc", "acc_norm", "acc_mutual_info"}  # 1/choices for multipl
 
 class EvalError(QpipeError):
     """lm-eval failed on a task."""
+
+
+def request_errors() -> tuple[type[BaseException], ...]:
+    """What lm-eval's API models raise when a request to the server fails: socket errors and
+    timeouts (OSError, requests' errors among them), aiohttp's client errors (a dropped
+    connection, a payload cut short, an error status), a malformed answer."""
+    import http.client
+
+    from aiohttp import ClientError
+
+    return OSError, http.client.HTTPException, ClientError
+
+
+def served_failure(server: VllmServer, task: suites.Task, err: EvalError) -> ServeError | None:
+    """A served task's failure as the server's: it died, or a request to it failed (the
+    server is the better explanation than the task); None if it was something else."""
+    phase = f"scoring task {task.name} (lm-eval's requests)"
+    cause = err.__cause__
+    if isinstance(cause, request_errors()):
+        detail = f"{type(cause).__name__}: {str(cause).strip()[:200] or 'no message'}"
+        return server.lost(phase, detail)
+    return server.died(phase) if not server.alive() else None
 
 
 @dataclass
@@ -91,8 +110,6 @@ def engine_for(model: Variant, settings: EvalSettings) -> EngineSettings:
 
     return settings.engine.model_copy(
         update={"max_model_len": _max_model_len(model, settings)}).resolved(serve_target())
-
-
 
 
 def hf_model_args(model: Variant) -> str:
@@ -231,9 +248,9 @@ def run_task(lm: Any, model_args: str | None, model: Variant, task: suites.Task,
 
 @contextlib.contextmanager
 def _lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
-        pool: ServerPool | None = None) -> Iterator[tuple[Any, str | None]]:
-    """(model or its name, model_args) for simple_evaluate; serves the model when SERVED
-    (through the pool's server when it holds one started with the same settings)."""
+        pool: ServerPool | None = None) -> Iterator[tuple[Any, str | None, VllmServer | None]]:
+    """(model or its name, model_args, the server) for simple_evaluate; serves the model when
+    SERVED (through the pool's server when it holds one started with the same settings)."""
     if backend == SERVED:
         from pipeline.serve.server import VllmServer
 
@@ -243,15 +260,15 @@ def _lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
         if running is not None:
             log.info(f"{model.name}: scoring through the running vLLM server "
                      f"({running.base_url})")
-            yield "local-completions", served_model_args(model, running.base_url, settings)
+            yield "local-completions", served_model_args(model, running.base_url, settings), running
             return
         server_log = log_dir / f"{model.name}-vllm.log"
         log.info(f"{model.name}: starting vLLM (log {paths.shown(server_log)})")
         with VllmServer(model.path, model.served_name, engine, server_log) as server:
-            yield "local-completions", served_model_args(model, server.base_url, settings)
+            yield "local-completions", served_model_args(model, server.base_url, settings), server
     else:
         from lm_eval.models.huggingface import HFLM
 
         yield HFLM(pretrained=str(model.path), dtype=divergence.HF_DTYPE,
                    batch_size=settings.batch_size,
-                   device=hardware.torch_device()), None
+                   device=hardware.torch_device()), None, None

@@ -19,12 +19,14 @@ from pipeline.eval import divergence, suites
 from pipeline.eval.lm import (
     EMULATED,
     SERVED,
+    EvalError,
     TaskResult,
     _lm,
     _quiet_libraries,
     engine_for,
     primary_key,
     run_task,
+    served_failure,
 )
 from pipeline.eval.settings import EvalSettings
 
@@ -81,13 +83,20 @@ def score(base_name: str, model: Variant, tasks: list[suites.Task], backend: str
         return results
     if results:
         log.info(f"{tag}: {len(results)} task(s) cached, {len(todo)} to score")
-    with _lm(model, backend, settings, cache_root(base_name) / "logs", pool) as (lm, model_args):
+    with _lm(model, backend, settings, cache_root(base_name) / "logs", pool) as (
+            lm, model_args, server):
         for number, task in enumerate(todo, start=1):
             limit = settings.for_task(task)["limit"]
             log.info(f"{tag}: task {number}/{len(todo)} {task.name}"
                      f"{f' (limit {limit})' if limit else ''} ...")
             target = task_dir(base_name, model, task, backend, settings)
-            result = run_task(lm, model_args, model, task, backend, settings, target)
+            try:
+                result = run_task(lm, model_args, model, task, backend, settings, target)
+            except EvalError as err:
+                lost = served_failure(server, task, err) if server is not None else None
+                if lost is not None:
+                    raise lost from err
+                raise
             key = primary_key(task, result)
             log.info(f"{tag}: {task.name} {key} = {result.metrics.get(key, float('nan')):.4f} "
                      f"({result.seconds:.0f} s)")

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 log = qlog.get("eval")
 
 
-
 @dataclass
 class Scored:
     """One model's outcome: its scores and, for a variant, recovery against the baseline scored

@@ -12,14 +12,12 @@ the server SIGTERM, so no server outlives a run.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import signal
 import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -27,6 +25,7 @@ import psutil
 from pipeline.core import hardware, procs
 from pipeline.core.hardware import serve_target
 from pipeline.core.provenance import serve_python
+from pipeline.serve import http
 from pipeline.serve.failure import ServeError, UnsupportedFormat, failure_reason
 from pipeline.serve.settings import EngineSettings
 
@@ -36,6 +35,9 @@ WORKERS_DIR = Path(__file__).with_name("workers")
 # block leaves nothing in the prefix cache for the measurements to hit.
 WARMUP_PROMPT = "The capital of France is"
 WARMUP_TOKENS = 4
+# The phases a server can fail in, as errors name them (bench and eval name theirs).
+START_UP = "start-up (loading the model, before /health answered)"
+WARM_UP = "the warm-up request (after /health answered)"
 
 
 def free_port() -> int:
@@ -48,6 +50,8 @@ class VllmServer:
     """``with VllmServer(model_dir, name, settings, log_path) as server: server.base_url``."""
 
     death_grace_s = 20.0  # after a failed warm-up: time for the engine to exit and log why
+    death_wait_s = 5.0  # after a failed request: time for a dying server's process to end
+    metrics_timeout = 30.0
 
     def __init__(self, model_dir: Path, served_name: str, settings: EngineSettings,
                  log_path: Path, startup_timeout: float = 600, target: str | None = None,
@@ -134,8 +138,9 @@ class VllmServer:
             self.stop()
             raise
 
-    def _fail(self, what: str) -> ServeError:
-        """The error for an engine that failed, classified by its log's fatal error."""
+    def _fail(self, phase: str) -> ServeError:
+        """The error for an engine that failed during ``phase`` of its start, classified by
+        its log's fatal error: a format this hardware cannot serve, or a failure."""
         assert self.proc is not None
         reason, unsupported = failure_reason(self.log_text())
         if unsupported:
@@ -143,70 +148,99 @@ class VllmServer:
             return UnsupportedFormat(f"vLLM cannot serve {self.served_name} ({self.model_dir}) "
                                      f"on this hardware: {reason}. Full log: {self.log_path}",
                                      reason=reason)
-        code = self.proc.poll()
-        state = f"exit {code}" if code is not None else "still running"
-        return ServeError(f"vLLM {what} {self.served_name} ({self.model_dir}; {state}): "
-                          f"{reason}. Full log: {self.log_path}", reason=reason)
+        if self.proc.poll() is not None:
+            return self.died(phase)
+        return ServeError(f"vLLM failed {phase} for {self.served_name} ({self.model_dir}; still "
+                          f"running): {reason}. Full log: {self.log_path}", reason=reason)
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise self._fail("could not serve")
+                raise self._fail(START_UP)
             if self.healthy():
                 return
             time.sleep(1)
         raise ServeError(f"vLLM did not become healthy within {self.startup_timeout:.0f} s "
-                         f"serving {self.model_dir}; it was stopped. Log: {self.log_path}")
+                         f"serving {self.served_name} ({self.model_dir}); it was stopped. Raise "
+                         f"the start-up time or read the log: {self.log_path}",
+                         reason=f"not healthy within {self.startup_timeout:.0f} s of start-up")
 
     def _warm_up(self) -> None:
         assert self.proc is not None
-        body = json.dumps({"model": self.served_name, "prompt": WARMUP_PROMPT,
-                           "max_tokens": WARMUP_TOKENS, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"{self.base_url}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = {"model": self.served_name, "prompt": WARMUP_PROMPT,
+                "max_tokens": WARMUP_TOKENS, "temperature": 0, "ignore_eos": True}
         try:
-            with urllib.request.urlopen(request, timeout=self.warmup_timeout) as response:
-                answer = json.loads(response.read())
-            if answer.get("usage", {}).get("completion_tokens", 0) >= 1:
+            answer = http.request_json(f"{self.base_url}/v1/completions", self.warmup_timeout,
+                                       body)
+            tokens = answer.get("usage", {}).get("completion_tokens", 0) \
+                if isinstance(answer, dict) else 0
+            if tokens >= 1:
                 return
             problem = f"the warm-up request got no tokens back ({str(answer)[:200]})"
-        except (OSError, ValueError) as err:  # HTTPError and URLError are OSErrors
-            detail = f"HTTP {err.code}: {err.read().decode(errors='replace')[:300]}" \
-                if isinstance(err, urllib.error.HTTPError) else str(err)
-            problem = f"the warm-up request failed ({detail})"
+        except http.RequestFailed as err:
+            problem = f"the warm-up request failed: {err.detail}"
         # An engine that cannot run a kernel dies on its first request: give it time to go
         # down and log why, then classify by that.
         deadline = time.monotonic() + self.death_grace_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        error = self._fail("answered /health but failed its warm-up request for")
-        if not isinstance(error, UnsupportedFormat) and self.proc.poll() is None:
-            error = ServeError(f"vLLM answered /health but {problem} serving {self.served_name};"
-                               f" it was stopped. Log: {self.log_path}", reason=problem)
-        raise error
+        _, unsupported = failure_reason(self.log_text())
+        if unsupported or self.proc.poll() is not None:
+            raise self._fail(WARM_UP)
+        raise ServeError(f"vLLM answered /health but {problem} serving {self.served_name};"
+                         f" it was stopped. Log: {self.log_path}", reason=problem)
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
+            http.request(f"{self.base_url}/health", timeout=2, allow_empty=True)
+            return True
+        except http.RequestFailed:
             return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def check_alive(self) -> None:
+    def died(self, phase: str) -> ServeError:
+        """The error for a server whose process has ended: how (signal or exit code), during
+        which phase, its log's last error, the log, and what to do."""
+        reason, _ = failure_reason(self.log_text())
+        code = self.proc.returncode if self.proc else None
+        if code is not None and code < 0:
+            how = f"was killed by signal {-code} ({_signal_name(-code)})"
+            advice = ("signal 9 is most often the kernel's out-of-memory killer (see `dmesg`): "
+                      "run fewer servers at once or lower KV_CACHE_GIB / GPU_UTIL, then re-run "
+                      "it" if -code == signal.SIGKILL else "re-run it")
+        else:
+            how, advice = f"died (exit {code})", "its log says why; fix that and re-run it"
+        short = f"server {how} during {phase}; its log ends: {reason[:160]}; {advice}"
+        return ServeError(f"the vLLM server for {self.served_name} {how} during {phase}: "
+                          f"{reason[:300]}. Log: {self.log_path}. To do: {advice}.",
+                          reason=short)
+
+    def lost(self, phase: str, detail: str) -> ServeError:
+        """The error for a request that failed during ``phase``: the server's death if it is
+        going down (a reset connection often means so), else what the connection did."""
+        if self.going_down():
+            return self.died(phase)
+        return ServeError(f"the vLLM server for {self.served_name} failed {phase}: {detail}. "
+                          f"It was stopped. Log: {self.log_path}. To do: re-run it; if it "
+                          "fails again, the log says why.",
+                          reason=f"{phase} failed: {detail}; re-run it (server log says why "
+                                 "if it recurs)")
+
+    def going_down(self) -> bool:
+        """Whether the process ends within ``death_wait_s`` (after a failed request)."""
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(self.death_wait_s)
+        return not self.alive()
+
+    def check_alive(self, phase: str = "the run") -> None:
         """Raise if the server died (e.g. mid-benchmark), with the reason from its log."""
         if not self.alive():
-            reason, _ = failure_reason(self.log_text())
-            code = self.proc.returncode if self.proc else None
-            how = f"was killed by signal {-code}" if code is not None and code < 0 \
-                else f"died (exit {code})"
-            raise ServeError(f"the vLLM server for {self.served_name} {how}: {reason}. "
-                             f"Log: {self.log_path}", reason=f"server {how}: {reason}")
+            raise self.died(phase)
 
     def log_text(self) -> str:
         try:
@@ -214,18 +248,13 @@ class VllmServer:
         except OSError:
             return ""
 
-    def metrics_text(self) -> str:
+    def metrics_text(self, phase: str = "a /metrics scrape") -> str:
         """The server's Prometheus ``/metrics``; a dead or silent server is a ServeError."""
         try:
-            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as response:
-                return response.read().decode()
-        except OSError as err:
-            if self.proc is not None:  # a refused or reset connection: is it going down?
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(5)
-            self.check_alive()
-            raise ServeError(f"the vLLM server for {self.served_name} did not answer /metrics "
-                             f"({err}). Log: {self.log_path}", reason=f"/metrics: {err}") from None
+            return http.request(f"{self.base_url}/metrics", self.metrics_timeout).decode(
+                errors="replace")
+        except http.RequestFailed as err:
+            raise self.lost(phase, err.detail) from None
 
     def processes(self) -> list[psutil.Process]:
         """The server and every process it started."""
@@ -251,6 +280,13 @@ class VllmServer:
         procs.stop(self.proc, timeout)
         if self._sampler is not None:
             self._sampler.join(timeout=5)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def gpu_memory_of(pids: set[int]) -> int:
