@@ -78,7 +78,8 @@ class CampaignSettings(StageSettings):
                                 json_schema_extra={"nested": True})
     gpu: str | None = Field(None, description="accelerator preset the planner places each "
                             "variant on", json_schema_extra={"make": "PLAN_GPU"})
-    context: int | None = Field(None, description="tokens per request for planned concurrency",
+    context: int | None = Field(None, ge=1, description="tokens per request for planned "
+                                "concurrency",
                                 json_schema_extra={"make": "PLAN_CONTEXT"})
     force: bool = force_field("redo every stage")
     quantize_jobs: PositiveInt | None = Field(
@@ -227,11 +228,22 @@ def run(settings: CampaignSettings) -> Comparison:
         raise CampaignIncomplete(
             f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "
             "to a hardware limit: " + "; ".join(
-                f"{f['variant']} in {f['stage']}: {f['reason'][:200]}"
-                + (f" (log {f['log']})" if f.get("log") else "") for f in comparison.failures)
+                f"{f['variant']} in {f['stage']}: {f['reason'][:400]}"
+                + (f" (log {f['log']})" if f.get("log") else "") + f" (re-run: {_rerun(f)})"
+                for f in comparison.failures)
             + ". The other variants were measured, compared and logged.")
     log.info(f"done in {clock.elapsed()}")
     return comparison
+
+
+def _rerun(failure: dict[str, str]) -> str:
+    """The command that runs a failed stage again for that variant alone."""
+    def one(stage: str) -> str:
+        variant = failure["variant"]
+        if variant == "all" or (variant == "baseline" and stage != "eval"):
+            return f"make {stage}"  # bench always serves the baseline
+        return f"make {stage} RECIPE={'none' if variant == 'baseline' else variant}"
+    return " and ".join(one(stage) for stage in failure["stage"].split("/"))  # Ray: bench/eval
 
 
 def _locally(settings: CampaignSettings, base: baselines.Baseline,

@@ -89,9 +89,9 @@ def test_a_server_whose_health_never_answers_is_stopped_at_its_deadline(
 
 
 @pytest.mark.parametrize(("fault", "said"), [
-    ({"action": "status"}, "the warm-up request failed: HTTP 500"),
+    ({"action": "status"}, "the warm-up request (after /health answered): HTTP 500"),
     ({"action": "drop"}, "the connection closed mid-answer"),
-    ({"action": "half-headers"}, "the warm-up request failed: "),
+    ({"action": "half-headers"}, "failed the warm-up request (after /health answered): an empty"),
     ({"action": "stall"}, "no answer within 2 s"),
     ({"action": "kill"}, "was killed by signal 9 (SIGKILL) during the warm-up request"),
     ({"action": "kill", "when": "mid-body"}, "killed by signal 9 (SIGKILL) during the warm-up"),

@@ -91,6 +91,13 @@ def test_suite_level_judges_the_mover_interval_and_no_task_hides_another() -> No
     assert "task down 84.2%" in verdict.failed[0] and "not averaged away" in verdict.failed[0]
 
 
+def test_a_threshold_above_100_that_no_task_reaches_says_so_not_that_a_task_lost() -> None:
+    entries = {"a": _entry(*_items(300, 270)), "b": _entry(*_items(300, 280))}
+    verdict = gate.judge(entries, "int4", 150)
+    assert verdict.status == gate.FAIL
+    assert "loss" not in verdict.failed[0] and "beat the baseline" in verdict.failed[0]
+
+
 def test_nothing_meaningful_is_its_own_verdict() -> None:
     verdict = gate.judge({"c": _entry(*_items(100, 52))}, "int4", 96)
     assert verdict.status == gate.NOT_MEANINGFUL and not verdict.ok

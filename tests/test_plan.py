@@ -167,7 +167,7 @@ def test_weights_that_do_not_fit_say_by_how_much(capsys):
 def test_zero_or_negative_budget(capsys, budget):
     err = run_error(capsys, "plan", "--model", "smollm2-135m", "--max-context", "8192",
                     "--kv-budget-gb", budget)
-    assert "must be positive" in err
+    assert "--kv-budget-gb (make KV_BUDGET_GB=): input should be greater than 0" in err
 
 
 def test_unreachable_hub_falls_back_or_explains(monkeypatch, capsys):

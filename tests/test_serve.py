@@ -238,7 +238,7 @@ def test_a_server_that_fails_its_warm_up_but_lives_is_a_serve_error(
     with pytest.raises(ServeError) as err, server:
         pass
     assert not isinstance(err.value, UnsupportedFormat)
-    assert "warm-up request failed" in str(err.value) and "500" in str(err.value)
+    assert "failed the warm-up request" in str(err.value) and "500" in str(err.value)
     assert server.proc is not None and server.proc.poll() is not None  # stopped
     _no_children_left()
 

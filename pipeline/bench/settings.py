@@ -17,7 +17,7 @@ class BenchSettings(StageSettings):
         DEFAULT_WORKLOADS, description="workload name in configs/workloads or a YAML file "
         f"(default: {', '.join(DEFAULT_WORKLOADS)})",
         json_schema_extra={"flag": "--workload", "make": "WORKLOAD"})
-    repeats: int | None = Field(None, description="override every workload's repeats",
+    repeats: int | None = Field(None, ge=1, description="override every workload's repeats",
                                 json_schema_extra={"make": "REPEATS"})
     slo_ttft_ms: float | None = Field(
         None, gt=0, description="TTFT p99 bound (ms) of the capacity search's objective "

@@ -171,6 +171,14 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
           "search_ceiling": int, "search_precision": (int, float), "prompts": str,
           "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int}
+# the smallest value of each numeric field (and the largest, where there is one)
+RANGES: dict[str, tuple[float, float | None]] = {
+    "headline": (1, None), "repeats": (1, None), "seed": (0, None),
+    "prompts_per_concurrency": (1, None), "min_prompts": (1, None), "output_len": (0, None),
+    "input_len": (1, None), "range_ratio": (0, 0.999), "prefix_len": (1, None),
+    "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
+    "search_ceiling": (1, None), "search_precision": (0.001, 0.999),
+    "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None)}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": (),
             "timed_trace": ()}
@@ -202,6 +210,12 @@ def load(name_or_path: str) -> Workload:
         expected = FIELDS[key]
         if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
             raise ConfigError(f"{path}: field {key!r} has the wrong type ({value!r}).")
+        if key in RANGES:
+            low, high = RANGES[key]
+            if value < low or (high is not None and value > high):
+                allowed = f"between {low:g} and {high:g}" if high is not None else \
+                    f"at least {low:g}"
+                raise ConfigError(f"{path}: field {key!r} must be {allowed} (got {value!r}).")
     dataset = data.get("dataset", "random")
     if dataset not in DATASETS:
         raise ConfigError(f"{path}: dataset {dataset!r} is not one of {', '.join(DATASETS)}.")
@@ -229,14 +243,11 @@ def load(name_or_path: str) -> Workload:
     for key in ("models", "prefix_off_models"):
         if data.get(key, "all") not in ("all", "baseline"):
             raise ConfigError(f"{path}: {key} is 'all' or 'baseline', not {data[key]!r}.")
-    if data.get("search_ceiling", 1) < 1 or not 0 < data.get("search_precision", 0.25) < 1:
-        raise ConfigError(f"{path}: search_ceiling is a positive concurrency and "
-                          "search_precision a share between 0 and 1.")
     values: dict[str, Any] = {k: v for k, v in data.items() if k not in ("load_points",)}
     values.setdefault("output_len", 0)  # custom: each prompt's own output_tokens
     values.update(load_points=tuple(points), headline=headline, dataset=dataset, slo=slo,
                   description=str(data.get("description", "")),
-                  repeats=max(1, int(data.get("repeats", 3))), seed=int(data.get("seed", 0)),
+                  repeats=int(data.get("repeats", 3)), seed=int(data.get("seed", 0)),
                   prompts_per_concurrency=int(data.get("prompts_per_concurrency", 4)),
                   min_prompts=int(data.get("min_prompts", 8)),
                   min_output_tokens=int(data.get("min_output_tokens", 0)))

@@ -308,9 +308,9 @@ class PlanTarget(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     gpu: str = "auto"
-    context: int = 2048
-    max_context: int = 8192
-    memory_gb: float | None = None
+    context: int = Field(2048, ge=1)
+    max_context: int = Field(8192, ge=1)
+    memory_gb: float | None = Field(None, gt=0)
 
 
 class CostTarget(BaseModel):

@@ -136,7 +136,7 @@ def from_args(model: type[M], args: argparse.Namespace) -> M:
     try:
         return model.model_validate(values)
     except ValidationError as err:
-        raise ConfigError(_explain(err, "the command line")) from None
+        raise ConfigError(_explain(err, "the command line", model, options=True)) from None
 
 
 def to_argv(settings: BaseModel) -> list[str]:
@@ -196,8 +196,33 @@ def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]
     return [name for name, f in model.model_fields.items() if not _extra(f).get("internal")]
 
 
-def _explain(err: ValidationError, where: str, model: type[BaseModel] | None = None) -> str:
-    """One paragraph: the file (or command line), each bad field, what it should be."""
+def _field_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> tuple[str, Any] | None:
+    """(name, FieldInfo) of the (nested) field an error's location points at."""
+    field = None
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            return None
+        inner = _bare(field.annotation)[0]
+        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    return (str(loc[-1]), field) if field is not None else None
+
+
+def _option_name(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """``--repeats (make REPEATS=)``: how a user sets the field on the command line."""
+    found = _field_at(model, loc)
+    if found is None:
+        return None
+    name, field = found
+    make = _extra(field).get("make")
+    shown = (make if "=" in str(make) else f"{make}=") if make else ""
+    return _flag(name, field) + (f" (make {shown})" if shown else "")
+
+
+def _explain(err: ValidationError, where: str, model: type[BaseModel] | None = None,
+             options: bool = False) -> str:
+    """One paragraph: the file (or command line), each bad field, what it should be; on the
+    command line the field is named by its option and Makefile variable."""
     parts, seen = [], set()
     for problem in err.errors():
         if problem["loc"][:1] in seen:  # a union's other members: one line per field
@@ -213,7 +238,8 @@ def _explain(err: ValidationError, where: str, model: type[BaseModel] | None = N
                                                        else "")
                          + (f"; the fields are {', '.join(known)}" if known else ""))
         else:
-            parts.append(f"field {field!r}: {problem['msg'].lower()} (got "
+            named = _option_name(model, loc) if options else None
+            parts.append(f"{named or f'field {field!r}'}: {problem['msg'].lower()} (got "
                          f"{problem.get('input')!r})")
     return f"{where}: " + "; ".join(parts) + "."
 

@@ -34,7 +34,7 @@ def server_env() -> dict[str, str]:
 
 
 class UiSettings(StageSettings):
-    port: int = Field(5000, description="port on 127.0.0.1",
+    port: int = Field(5000, ge=1, le=65535, description="port on 127.0.0.1",
                       json_schema_extra={"make": "MLFLOW_PORT"})
 
 

@@ -34,13 +34,14 @@ class EvalSettings(StageSettings):
     limit: PositiveInt | Literal["all"] | None = Field(
         None, description="items per task, or `all` (default: each task's qpipe_limit, else "
         "all)", json_schema_extra={"make": "LIMIT"})
-    num_fewshot: int | None = Field(None, description="few-shot examples (default: the task's)")
+    num_fewshot: int | None = Field(None, ge=0,
+                                    description="few-shot examples (default: the task's)")
     backend: Literal["auto", "served", "hf"] = Field(
         "auto", description="auto: served where vLLM serves the format, else hf (emulated)",
         json_schema_extra={"make": "BACKEND"})
-    batch_size: int = Field(16, description="hf: sequences per forward pass; served: prompts "
+    batch_size: int = Field(16, ge=1, description="hf: sequences per forward pass; served: prompts "
                             "per request")
-    num_concurrent: int = Field(2, description="requests in flight to the vLLM server")
+    num_concurrent: int = Field(2, ge=1, description="requests in flight to the vLLM server")
     divergence: bool = Field(True, description="KL divergence, top-1 agreement and perplexity "
                              "on held-out text", json_schema_extra={
                                  "negative": "--no-divergence",
@@ -62,7 +63,7 @@ class GateSettings(StageSettings):
     recipes: tuple[str, ...] = Field((), description="variant to judge (default: every "
                                      "evaluated variant)", json_schema_extra={
                                          "flag": "--recipe", "make": "RECIPE"})
-    threshold: float | None = Field(None, description="override every recipe's "
+    threshold: float | None = Field(None, gt=0, le=1000, description="override every recipe's "
                                     "recovery_threshold_pct (percent)",
                                     json_schema_extra={"make": "THRESHOLD"})
     level: Literal["suite", "task"] = Field("suite", description="judge each suite's interval "

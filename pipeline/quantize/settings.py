@@ -11,9 +11,9 @@ class CalibrationOverrides(BaseModel):
     """What overrides a recipe's ``calibration:`` block (every recipe's, in a campaign)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    calib_samples: int | None = Field(None, description="override calibration.num_samples",
+    calib_samples: int | None = Field(None, ge=1, description="override calibration.num_samples",
                                       json_schema_extra={"make": "CALIB_SAMPLES"})
-    calib_seq_len: int | None = Field(None, description="override calibration.max_seq_length",
+    calib_seq_len: int | None = Field(None, ge=1, description="override calibration.max_seq_length",
                                       json_schema_extra={"make": "CALIB_SEQ_LEN"})
     calib_data: str | None = Field(None, description="override calibration.dataset (a file or "
                                    "hub id)", json_schema_extra={"make": "CALIB_DATA"})

@@ -37,10 +37,12 @@ class CompareSettings(StageSettings):
     gpu: str | None = Field(None, description="accelerator preset the planner places each "
                             "variant on (auto: this machine's card)",
                             json_schema_extra={"make": "PLAN_GPU"})
-    context: int | None = Field(None, description="tokens per request for planned concurrency",
+    context: int | None = Field(None, ge=1, description="tokens per request for planned "
+                                "concurrency",
                                 json_schema_extra={"make": "PLAN_CONTEXT"})
-    max_context: int | None = Field(None, description="tokens reserved per request, worst case")
-    memory_gb: float | None = Field(None, description="accelerator memory instead of --gpu")
+    max_context: int | None = Field(None, ge=1,
+                                    description="tokens reserved per request, worst case")
+    memory_gb: float | None = Field(None, gt=0, description="accelerator memory instead of --gpu")
     objective: ObjectiveName | None = Field(
         None, description="what the recommendation optimises (default: the campaign's, speed): "
         "the fastest passing variant faster than the baseline, the smallest, the one holding "

@@ -40,6 +40,7 @@ class SearchSettings(StageSettings):
             "make": "MAX_DAMAGE"})
     name: str | None = Field(None, description="the recipe to write, recipes/NAME.yaml "
                              "(default: searched-<budget>)", json_schema_extra={"make": "NAME"})
-    threshold: float = Field(96.0, description="the recipe's recovery threshold, percent",
+    threshold: float = Field(96.0, gt=0, le=1000,
+                             description="the recipe's recovery threshold, percent",
                              json_schema_extra={"make": "THRESHOLD"})
     scan: ScanOptions = Field(default_factory=ScanOptions, json_schema_extra={"nested": True})

@@ -163,9 +163,10 @@ class VllmServer:
                 return
             time.sleep(1)
         raise ServeError(f"vLLM did not become healthy within {self.startup_timeout:.0f} s "
-                         f"serving {self.served_name} ({self.model_dir}); it was stopped. Raise "
-                         f"the start-up time or read the log: {self.log_path}",
-                         reason=f"not healthy within {self.startup_timeout:.0f} s of start-up")
+                         f"serving {self.served_name} ({self.model_dir}); it was stopped. To do: "
+                         f"its log says where it stopped: {self.log_path}",
+                         reason=f"/health did not answer within {self.startup_timeout:.0f} s of "
+                                "start-up; it was stopped (its log says where it stopped)")
 
     def _warm_up(self) -> None:
         assert self.proc is not None
@@ -178,9 +179,9 @@ class VllmServer:
                 if isinstance(answer, dict) else 0
             if tokens >= 1:
                 return
-            problem = f"the warm-up request got no tokens back ({str(answer)[:200]})"
+            problem = f"it got no tokens back ({str(answer)[:200]})"
         except http.RequestFailed as err:
-            problem = f"the warm-up request failed: {err.detail}"
+            problem = err.detail
         # An engine that cannot run a kernel dies on its first request: give it time to go
         # down and log why, then classify by that.
         deadline = time.monotonic() + self.death_grace_s
@@ -189,8 +190,7 @@ class VllmServer:
         _, unsupported = failure_reason(self.log_text())
         if unsupported or self.proc.poll() is not None:
             raise self._fail(WARM_UP)
-        raise ServeError(f"vLLM answered /health but {problem} serving {self.served_name};"
-                         f" it was stopped. Log: {self.log_path}", reason=problem)
+        raise self.lost(WARM_UP, problem)
 
     def healthy(self) -> bool:
         try:

@@ -11,19 +11,22 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_model_len: int = Field(2048, description="vLLM context length (capped at the model's)",
+    max_model_len: int = Field(2048, ge=16,
+                               description="vLLM context length (capped at the model's)",
                                json_schema_extra={"make": "MAX_MODEL_LEN"})
     dtype: str = Field("bfloat16", description="vLLM --dtype",
                        json_schema_extra={"cli": False})
     kv_cache_space_gib: int = Field(
-        1, description="CPU: VLLM_CPU_KVCACHE_SPACE in whole GiB, as vLLM reads it",
+        1, ge=1, description="CPU: VLLM_CPU_KVCACHE_SPACE in whole GiB, as vLLM reads it",
         json_schema_extra={"flag": "--kv-cache-gib", "make": "KV_CACHE_GIB"})
-    gpu_memory_utilization: float = Field(0.9, description="CUDA: vLLM --gpu-memory-utilization",
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1,
+                                          description="CUDA: vLLM --gpu-memory-utilization",
                                           json_schema_extra={"make": "GPU_UTIL"})
     enable_prefix_caching: bool = Field(True, description="prefix caching (bench turns it off "
                                         "for its speed sweeps)", json_schema_extra={"cli": False})
-    max_num_batched_tokens: int | None = Field(None, description="vLLM --max-num-batched-tokens")
-    max_num_seqs: int | None = Field(None, description="vLLM --max-num-seqs",
+    max_num_batched_tokens: int | None = Field(None, ge=1,
+                                               description="vLLM --max-num-batched-tokens")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs",
                                      json_schema_extra={"cli": False})
     # None: eager on CPUs (torch.compile costs ~60 s per start there, and decode is compute-
     # bound), compiled with CUDA graphs on GPUs (eager decode is bound by kernel launches there:
