@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -89,8 +91,8 @@ def test_interval_is_paired_and_reproducible() -> None:
     assert a == b  # fixed seed
     assert a.ci_low <= a.recovery_pct <= a.ci_high
     # pairing: the interval reflects the 12 discordant items, not two independent 80 % scores;
-    # unpaired it would be ~+-7 points wide, paired it is ~+-2
-    assert a.ci_high - a.ci_low < 6
+    # unpaired it would be ~+-7 points wide, paired (and exact on the losses) ~+-4
+    assert a.ci_high - a.ci_low < 9
     # the interval of an independent resample of each model would be much wider
     rng2 = np.random.default_rng(1)
     ib, iv = rng2.integers(0, 400, (2000, 400)), rng2.integers(0, 400, (2000, 400))
@@ -147,3 +149,60 @@ def test_bad_input_is_refused() -> None:
         recovery.recovery([1, 0], [1], chance=0.0)
     with pytest.raises(ValueError, match="empty"):
         recovery.recovery([], [], chance=0.0)
+
+
+@functools.lru_cache
+def _lower_ends(n: int) -> tuple[np.ndarray, ...]:
+    """The interval's lower end for every outcome of n items with no gains: [right][lost]."""
+    return tuple(np.array([recovery.paired_interval(right - lost, lost, 0, n - right)[0]
+                           for lost in range(right + 1)]) for right in range(1, n + 1))
+
+
+def _lower_end_above_truth(n: int, base_p: float, truth: float) -> float:
+    """Exactly: the probability that the interval's lower end lies above the true recovery
+    ``truth`` (a share), summed over every outcome of n items: the baseline right on each with
+    ``base_p``, the variant losing each of those with 1 - truth, gaining none (gains only raise
+    the truth, and the lower end ignores them)."""
+    from scipy.stats import binom
+
+    total = 0.0
+    right_p = binom.pmf(np.arange(n + 1), n, base_p)
+    for right, lows in enumerate(_lower_ends(n), start=1):
+        if right_p[right] >= 1e-12:
+            lost_p = binom.pmf(np.arange(right + 1), right, 1 - truth)
+            total += right_p[right] * lost_p[lows > truth * 100].sum()
+    return total
+
+
+@pytest.mark.parametrize("n", [40, 100, 286])
+def test_the_lower_end_is_above_the_true_recovery_at_most_its_nominal_share(n: int) -> None:
+    """A pass is claimed at 97.5% one-sided: the lower end may lie above the truth at most
+    2.5% of the time, at every baseline score and true recovery (Newcombe's paired-difference
+    interval over the baseline's score did 4.0% at n = 100 with 3 items lost, and up to 9% at a
+    baseline of 0.5)."""
+    worst = max(_lower_end_above_truth(n, base_p, truth) for base_p in (0.5, 0.8, 0.95)
+                for truth in (0.9, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995))
+    assert worst <= 0.025
+
+
+def test_above_chance_recovery_shows_the_skill_that_is_gone() -> None:
+    base = [1] * 80 + [0] * 20
+    var = [0] * 3 + [1] * 77 + [0] * 20  # 0.80 -> 0.77 on a 2-choice task
+    r = recovery.recovery(base, var, chance=0.5)
+    assert r.recovery_pct == pytest.approx(96.25)
+    assert r.above_chance_pct == pytest.approx(90.0)  # a tenth of the skill above chance
+    assert recovery.recovery(base, var, chance=0.0).above_chance_pct is None
+
+
+def test_items_a_suite_needs_are_counted_as_the_suite_is_averaged() -> None:
+    """Three tasks at baseline 0.8, averaged: many more items than one pooled task needs."""
+    pooled = recovery.items_needed(99, 0.8)
+    suite = recovery.suite_items_needed([(100, 0.8)] * 3, 99)
+    assert pooled is not None and suite is not None and suite > 1.6 * pooled
+    # and that many items do certify it (as the suite's figure is computed), one fewer not
+    each = -(-suite // 3)
+    tasks = {f"t{i}": recovery.Recovery(
+        n=each, baseline_score=0.8, variant_score=0.8, chance=0.25, meaningful=True,
+        recovery_pct=100.0, ci_low=0.0, ci_high=0.0, flips=0, flip_rate=0.0, gained=0, lost=0,
+        certifiable_pct=recovery.certifiable_pct(each, 0.8)) for i in range(3)}
+    assert recovery.suite_from_tasks(tasks).certifiable_pct >= 99

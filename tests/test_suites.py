@@ -174,3 +174,13 @@ def test_cli_validate_exits_non_zero_with_the_problem(tmp_path: Path) -> None:
     assert "'answer' is not a field of this row" in result.stderr and "Fix:" in result.stderr
     ok = run_cli("suites", "validate", str(_task(tmp_path, name="other_task")), timeout=120)
     assert ok.returncode == 0 and "ok:" in ok.stdout
+
+
+def test_a_lower_is_better_primary_metric_is_refused_not_inverted(tmp_path: Path) -> None:
+    task = tmp_path / "ppl.yaml"
+    task.write_text("task: my_ppl\ndataset_path: json\noutput_type: loglikelihood_rolling\n"
+                    "metric_list:\n  - metric: word_perplexity\n    higher_is_better: false\n")
+    with pytest.raises(ConfigError) as info:
+        suites.load_task(task)
+    assert "word_perplexity" in str(info.value) and "higher_is_better: false" in str(info.value)
+    assert "ppl.yaml" in str(info.value)

@@ -7,14 +7,17 @@ Each suite's figure is the mean of its meaningful tasks' recoveries with a MOVER
 (:mod:`pipeline.recovery`), computed here from those task results; ``--level task`` judges each
 task's own interval. Against the recipe's ``recovery_threshold_pct``:
 
-- pass: the lower end of the 95% interval clears the threshold (and, for a suite, no
-  meaningful task's upper end is below it: one task's noise above 100% cannot hide another's
-  real loss);
+- pass: the lower end of the 95% interval clears the threshold, and, for a suite, no
+  meaningful task measures below the threshold with more items lost than gained: other tasks'
+  gains cannot hide one task's loss (in the simulation of a task truly 7.5% down beside two
+  that gain, this catches it most of the time; requiring a loss shown by McNemar's test caught
+  it only half the time: ``make calibrate``);
 - fail: the upper end (of the suite, or of any meaningful task in it) is below the threshold;
-- inconclusive: the interval straddles the threshold. The verdict says how many items were
-  judged and the best recovery they can certify for a variant that answers every item as the
-  baseline does ("131 items can certify at best 96.9%"); when that is below the threshold it
-  says about how many items would certify it;
+- inconclusive: the interval straddles the threshold, or a suite whose mean clears it holds a
+  task measured below it with a net loss. The verdict says how many items were judged and the best
+  recovery they can certify for a variant that answers every item as the baseline does ("131
+  items can certify at best 96.9%"); when that is below the threshold it says about how many
+  items would certify it (for a suite, averaged over its tasks as the suite is);
 - not meaningful: no task of the suite (or the variant) has a baseline clear of chance, so
   there is nothing to judge.
 
@@ -153,13 +156,16 @@ def suite_figures(entries: Entries) -> dict[str, dict[str, Any]]:
 
 
 # --- judging ------------------------------------------------------------------------------------
-def _certify(items: int, best: float | None, threshold: float, base_score: float | None) -> str:
+def _certify(items: int, best: float | None, threshold: float,
+             tasks: list[tuple[int, float]]) -> str:
     """What these items can show at best: the lower end if the variant answered every item as
-    the baseline did (only gains can lift a result above it)."""
+    the baseline did (only gains can lift a result above it). ``tasks``: (items, baseline
+    score) of each task averaged, for the items that would certify the threshold."""
     if best is None:
         return ""
     if best < threshold:
-        need = recovery.items_needed(threshold, base_score) if base_score else None
+        need = (recovery.items_needed(threshold, tasks[0][1]) if len(tasks) == 1 else
+                recovery.suite_items_needed(tasks, threshold)) if tasks else None
         more = f"; about {need:,} items would" if need else ""
         return (f"; {items} items can certify at best {best:.1f}% (a variant answering every "
                 f"item as the baseline does), below the threshold{more}, or lower the "
@@ -198,7 +204,8 @@ def _judge_tasks(entries: Entries, threshold: float,
         line = (f"{task}{_mark(entry.backend)}: recovery {r['recovery_pct']:.1f}% "
                 f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}], {r['flips']}/{r['n']} flips")
         _sort(line, r["ci_low"], r["ci_high"], threshold, out,
-              _certify(r["n"], r.get("certifiable_pct"), threshold, r["baseline_score"]))
+              _certify(r["n"], r.get("certifiable_pct"), threshold,
+                       [(r["n"], r["baseline_score"])]))
 
 
 def _judge_suites(entries: Entries, threshold: float,
@@ -222,9 +229,20 @@ def _judge_suites(entries: Entries, threshold: float,
             out["failed"].append(f"{line}; task {lows} < threshold {threshold:g}: {why}")
             continue
         scores = [entries[t].primary() for t in fig["tasks"]]
-        pooled = sum(r["baseline_score"] * r["n"] for r in scores) / max(fig["items"], 1)
-        _sort(line, fig["ci_low"], fig["ci_high"], threshold, out,
-              _certify(fig["items"], fig.get("certifiable_pct"), threshold, pooled))
+        shares = [(int(r["n"]), float(r["baseline_score"])) for r in scores]
+        certify = _certify(fig["items"], fig.get("certifiable_pct"), threshold, shares)
+        hidden = [t for t, r in zip(fig["tasks"], scores, strict=True)
+                  if r["recovery_pct"] < threshold and r["lost"] > r["gained"]]
+        if hidden and fig["ci_low"] >= threshold:
+            losses = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% ("
+                               f"{entries[t].primary()['lost']} lost, "
+                               f"{entries[t].primary()['gained']} gained)" for t in hidden)
+            out["inconclusive"].append(
+                f"{line}; the suite's mean clears {threshold:g}, but task {losses} measures "
+                "below the threshold, with more items lost than gained: the other tasks' gains "
+                "do not pass it (more items on that task, or GATE_LEVEL=task, settle it)")
+            continue
+        _sort(line, fig["ci_low"], fig["ci_high"], threshold, out, certify)
 
 
 def judge(entries: Entries, recipe: str, threshold: float,

@@ -1,19 +1,28 @@
 """Percent recovery from paired per-item results: point value, an interval honest at small n and
 at zero flips, flips, chance detection, and what a sample of n items can certify at best.
 
-Pure functions (numpy only). ``baseline`` and ``variant`` are per-item scores of the same items
-in the same order (1/0 for accuracy, any number for other metrics):
+Pure functions (numpy and scipy's distributions). ``baseline`` and ``variant`` are per-item
+scores of the same items in the same order (1/0 for accuracy, any number for other metrics):
 
 - recovery = mean(variant) / mean(baseline) x 100 (the ratio of the two task scores);
-- its 95% interval, for 0/1 scores: Newcombe's hybrid score interval for a paired difference
-  of proportions (Newcombe 1998, method 10: Wilson intervals of both scores, combined with the
-  correlation of the pairs), divided by the baseline's score. It does not collapse when no item
-  flips: 0 flips in n items still allow a loss of about 3/n, and the interval says so (a
+- its 95% interval, for 0/1 scores, from the paired table (right under the baseline only:
+  lost; under the variant only: gained): recovery = 1 - lost/right + gained/right. The lower
+  end bounds the losses alone with Clopper-Pearson's exact one-sided 2.5% bound, so it lies
+  above the true recovery at most 2.5% of the time whatever the parameters (the tests check it
+  by exact enumeration); gains only raise the truth and never certify a pass, so one task's
+  gains cannot buy another's losses either. The upper end adds the gains' bound to the
+  losses' (1.25% each). (Newcombe's paired-difference interval divided by the baseline's score,
+  used before, put its lower end above the truth up to 9% of the time at a baseline of 0.5.)
+  Zero flips in n items still allow a loss of about 3.7/right, and the interval says so (a
   bootstrap would give [100, 100] at any n). Other scores: a paired bootstrap, with the 0/1
   bound as the floor when no item changed;
+- above chance: (variant - chance) / (baseline - chance), the share of the skill above random
+  answers that is kept, shown beside the raw ratio where a task has a chance level (on a
+  2-choice task 0.80 -> 0.77 is 96.25% of the score but 90% of the skill above chance);
 - certifiable: the lower end the interval would have if not one item flipped, at this n and
   this baseline score: the best recovery these items can ever certify ("131 items can certify
-  at best 97.3%"); ``items_needed`` says how many would certify a threshold;
+  at best 97.3%"); ``items_needed`` says how many would certify a threshold, and
+  ``suite_items_needed`` how many a suite would need, averaged as it is;
 - flips: items whose score changed, either way;
 - a suite figure: the mean of its tasks' recoveries, its interval combined from theirs by
   MOVER (the same variance-recovery step Newcombe's method uses), over the tasks where
@@ -29,13 +38,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from scipy import stats
 
 BOOTSTRAP_ITERS = 2000
 BOOTSTRAP_SEED = 1234
 CONFIDENCE = 0.95
 Z = 1.959963984540054  # two-sided 95%
 NOISE_Z = Z  # the baseline must clear chance by its 95% interval
-NEWCOMBE, BOOTSTRAP = "newcombe", "bootstrap"
+ALPHA_SIDE = (1 - CONFIDENCE) / 2  # each end of the interval
+EXACT, BOOTSTRAP = "exact (Clopper-Pearson on the losses)", "bootstrap"
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,9 @@ class Recovery:
     gained: int  # wrong (lower) under the baseline, right (higher) under the variant
     lost: int
     certifiable_pct: float | None = None  # the lower end with zero flips: the best n can show
-    method: str = NEWCOMBE
+    method: str = EXACT
+    above_chance_pct: float | None = None  # (variant - chance) / (baseline - chance), where
+    # the task has a chance level
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +102,8 @@ def flip_counts(baseline: Sequence[float], variant: Sequence[float]) -> tuple[in
 
 
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
-    """Wilson score interval of a proportion (sound at 0 and n successes, unlike p +- z.se)."""
+    """Wilson score interval of a proportion (sound at 0 and n successes, unlike p +- z.se):
+    ``scipy.stats.binomtest(...).proportion_ci(method="wilson")``, at any z."""
     if n <= 0:
         return 0.0, 1.0
     p = successes / n
@@ -101,27 +115,40 @@ def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
     return low, high
 
 
-def paired_difference_interval(both: int, lost: int, gained: int, neither: int,
-                               z: float = Z) -> tuple[float, float]:
-    """Newcombe's method 10 interval for p_variant - p_baseline from a paired 2x2 table.
+def loss_bound(lost: int, right: int, alpha: float = ALPHA_SIDE) -> float:
+    """Clopper-Pearson's one-sided upper bound on the share of the baseline's right items that
+    the variant loses (exact: it lies above the true share with probability >= 1 - alpha)."""
+    if right <= 0:
+        return 1.0
+    return 1.0 if lost >= right else float(stats.beta.ppf(1 - alpha, lost + 1, right - lost))
 
-    ``lost``: right under the baseline only; ``gained``: right under the variant only.
+
+def _share_bounds(count: int, total: int, alpha: float) -> tuple[float, float]:
+    """Clopper-Pearson's one-sided lower and upper bounds of a share, each at ``alpha``."""
+    if total <= 0:
+        return 0.0, 0.0
+    low = 0.0 if count <= 0 else float(stats.beta.ppf(alpha, count, total - count + 1))
+    high = 1.0 if count >= total else float(stats.beta.ppf(1 - alpha, count + 1, total - count))
+    return low, high
+
+
+def paired_interval(both: int, lost: int, gained: int, neither: int
+                    ) -> tuple[float, float] | None:
+    """The 95% interval of recovery (%) from the paired 2x2 table; None when the baseline
+    scores 0. Recovery = 1 - lost/right + gained/right (right: the baseline's right items):
+
+    - the lower end bounds the losses alone (Clopper-Pearson, one-sided 2.5%): exact, so it
+      lies above the true recovery at most 2.5% of the time whatever the gains (which only
+      raise the truth); gains never certify a pass;
+    - the upper end adds the bound of the gains to that of the losses (each one-sided 1.25%).
     """
-    n = both + lost + gained + neither
-    p1, p2 = (both + lost) / n, (both + gained) / n  # baseline, variant
-    l1, u1 = wilson(both + lost, n, z)
-    l2, u2 = wilson(both + gained, n, z)
-    num = both * neither - lost * gained
-    if num > 0:  # Newcombe's continuity correction of the correlation
-        num = max(num - n / 2, 0.0)
-    margins = (both + lost) * (gained + neither) * (both + gained) * (lost + neither)
-    phi = num / math.sqrt(margins) if margins > 0 else 0.0
-    delta = p2 - p1
-    low = delta - math.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2)
-                                + (p2 - l2) ** 2, 0.0))
-    high = delta + math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2)
-                                 + (u2 - p2) ** 2, 0.0))
-    return max(low, -1.0), min(high, 1.0)
+    right, wrong = both + lost, gained + neither
+    if right == 0:
+        return None
+    lost_high = loss_bound(lost, right)
+    lost_low, _ = _share_bounds(lost, right, ALPHA_SIDE / 2)
+    _, gained_high = _share_bounds(gained, wrong, ALPHA_SIDE / 2)
+    return 100 * (1 - lost_high), 100 * (1 - lost_low + gained_high * wrong / right)
 
 
 def binary_recovery_interval(b: np.ndarray, v: np.ndarray) -> tuple[float, float] | None:
@@ -129,12 +156,7 @@ def binary_recovery_interval(b: np.ndarray, v: np.ndarray) -> tuple[float, float
     both = int(((b == 1) & (v == 1)).sum())
     lost = int(((b == 1) & (v == 0)).sum())
     gained = int(((b == 0) & (v == 1)).sum())
-    neither = b.size - both - lost - gained
-    p1 = (both + lost) / b.size
-    if p1 == 0:
-        return None
-    low, high = paired_difference_interval(both, lost, gained, neither)
-    return 100 * (1 + low / p1), 100 * (1 + high / p1)
+    return paired_interval(both, lost, gained, b.size - both - lost - gained)
 
 
 def certifiable_pct(n: int, baseline_score: float) -> float | None:
@@ -143,8 +165,7 @@ def certifiable_pct(n: int, baseline_score: float) -> float | None:
     right = round(baseline_score * n)
     if n <= 0 or right == 0:
         return None
-    low, _ = paired_difference_interval(right, 0, 0, n - right)
-    return 100 * (1 + low / (right / n))
+    return 100 * (1 - loss_bound(0, right))
 
 
 def items_needed(threshold_pct: float, baseline_score: float, limit: int = 10**7) -> int | None:
@@ -163,6 +184,51 @@ def items_needed(threshold_pct: float, baseline_score: float, limit: int = 10**7
         mid = (low + high) // 2
         low, high = (mid + 1, high) if not ok(mid) else (low, mid)
     return high
+
+
+def suite_items_needed(tasks: Sequence[tuple[int, float]], threshold_pct: float,
+                       limit: int = 10**7) -> int | None:
+    """The fewest items in all (each task grown in proportion to its ``n``, at its baseline
+    score, zero flips) whose suite interval, averaged as :func:`suite_from_tasks` averages,
+    clears the threshold; None if no number up to ``limit`` does."""
+    total = sum(n for n, _ in tasks)
+    if not tasks or threshold_pct >= 100 or total <= 0:
+        return None
+
+    def best(scale: float) -> float | None:
+        ends = [certifiable_pct(max(1, round(n * scale)), score) for n, score in tasks]
+        if any(e is None for e in ends):
+            return None
+        return _mover([100.0] * len(ends), [float(e) for e in ends if e is not None], -1)
+
+    def ok(items: int) -> bool:
+        found = best(items / total)
+        return found is not None and found >= threshold_pct
+
+    if not ok(limit):
+        return None
+    low, high = 1, max(1, total)
+    while not ok(high):
+        low, high = high, high * 2
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if not ok(mid) else (low, mid)
+    return high
+
+
+def real_loss(lost: int, gained: int, alpha: float = ALPHA_SIDE) -> bool:
+    """Whether the variant's losses outnumber its gains beyond chance: McNemar's exact test
+    (one-sided; under no net change each flipped item is a loss with probability 1/2)."""
+    if lost <= gained:
+        return False
+    return float(stats.binomtest(lost, lost + gained, 0.5, alternative="greater").pvalue) <= alpha
+
+
+def above_chance_pct(baseline_score: float, variant_score: float, chance: float) -> float | None:
+    """The share of the baseline's skill above chance that the variant keeps, in percent."""
+    if chance <= 0 or baseline_score <= chance:
+        return None
+    return (variant_score - chance) / (baseline_score - chance) * 100
 
 
 def bootstrap_ratios(baseline: Sequence[float], variant: Sequence[float],
@@ -227,7 +293,9 @@ def recovery(baseline: Sequence[float], variant: Sequence[float], chance: float 
         chance=float(chance), meaningful=ok, recovery_pct=pct,
         ci_low=ci[0] if ci else None, ci_high=ci[1] if ci else None,
         flips=gained + lost, flip_rate=(gained + lost) / b.size, gained=gained, lost=lost,
-        certifiable_pct=best, method=NEWCOMBE if binary else BOOTSTRAP)
+        certifiable_pct=best, method=EXACT if binary else BOOTSTRAP,
+        above_chance_pct=above_chance_pct(float(b.mean()), float(v.mean()), chance)
+        if pct is not None else None)
 
 
 @dataclass(frozen=True)

@@ -230,9 +230,25 @@ def load_task(path: Path, suite: str | None = None) -> Task:
     resolved = path.resolve()
     in_evals = resolved.is_relative_to(root) and len(resolved.relative_to(root).parts) > 1
     suite = suite or (resolved.relative_to(root).parts[0] if in_evals else resolved.parent.name)
+    metric = primary_metric(tf.config)
+    _check_direction(path, tf.config, metric)
     return Task(name=name, suite=suite, path=resolved, config=tf.config, data_files=files,
                 sha256=digest.hexdigest()[:16], default_limit=int(limit) if limit else None,
-                primary_metric=primary_metric(tf.config), include_path=resolved.parent)
+                primary_metric=metric, include_path=resolved.parent)
+
+
+def _check_direction(path: Path, config: dict[str, Any], metric: str) -> None:
+    """Recovery is variant / baseline of a score where higher is better: a lower-is-better
+    primary metric (perplexity, an error rate) would be read inverted, so it is refused."""
+    name = metric.split(",", 1)[0]
+    for entry in config.get("metric_list") or []:
+        if isinstance(entry, dict) and entry.get("metric") == name \
+                and entry.get("higher_is_better") is False:
+            raise ConfigError(
+                f"{relative(path)}: the primary metric {name!r} has higher_is_better: false; "
+                "recovery (variant / baseline) and its gate assume higher is better, so this "
+                f"task would be judged inverted. Fix: set metadata.{META_METRIC} to a "
+                "higher-is-better metric of the task, or score it outside the gate.")
 
 
 def builtin_task_sha(name: str) -> str:
