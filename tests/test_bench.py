@@ -16,6 +16,7 @@ from pipeline.bench.table import format_table
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary
 from pipeline.core.provenance import serve_python
+from pipeline.core.speedup import speedup
 from pipeline.core.variant import variants_of
 from pipeline.eval import EvalSettings, lm, suites
 from pipeline.eval import stage as evaluate
@@ -209,17 +210,20 @@ def test_bench_measures_baseline_and_variant_through_vllm(
                      "output_tokens_max": 4}
     if avx2:
         return  # no int4 speed to compare
-    # the speedup is the median of the per-repeat ratios, and lies within their spread;
-    # recomputed here from vLLM's own result files, one per run
+    # the speedup is the geometric mean of the per-repeat ratios, with the interval of the
+    # speed verdict, recomputed here from vLLM's own result files, one per run
     int4 = summary.models["int4"].workloads["tiny"].points[2]
     run_files = next((workspace / "artifacts" / "bench" / base.name).glob("*/runs"))
-    ratios = sorted(
+    n = int(int4[tracking.SPEEDUP_N])
+    ratios = [
         json.loads((run_files / f"int4-tiny-c2-r{r}.json").read_text())["output_throughput"]
         / json.loads((run_files / f"baseline-tiny-c2-r{r}.json").read_text())[
-            "output_throughput"] for r in range(2))
-    assert int4[f"{tracking.SPEEDUP}_min"] == pytest.approx(ratios[0])
-    assert int4[f"{tracking.SPEEDUP}_max"] == pytest.approx(ratios[-1])
-    assert ratios[0] <= int4[tracking.SPEEDUP] <= ratios[-1]
+            "output_throughput"] for r in range(n)]
+    found = speedup(ratios, loads[0].looks("cpu"))
+    assert n == 2 and int4[tracking.SPEEDUP] == pytest.approx(found.point)
+    assert int4[tracking.SPEEDUP_CI_LOW] == pytest.approx(found.low)
+    assert int4[tracking.SPEEDUP_CI_HIGH] == pytest.approx(found.high)
+    assert min(ratios) <= int4[tracking.SPEEDUP] <= max(ratios)
     assert "speedup" not in summary.models["baseline"].workloads["tiny"].points[2]
     table = format_table(summary, loads)
     assert "tiny (concurrency 2" in table and "prefix caching off" in table
@@ -272,7 +276,11 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert rows["int4"].capacity[tracking.SLO_MAX_CONCURRENCY] == 4
     tps = rows["int4"].capacity[tracking.SLO_OUTPUT_TOKENS_PER_S]
     assert rows["int4"].cost[USD_PER_MTOK] == pytest.approx(0.10 / (tps * 3600) * 1e6)
-    assert "than the baseline" in rows["int4"].crossover
+    # each load's verdict with its interval and n (two repeats of a tiny load: rarely decided)
+    assert " at 1 (" in rows["int4"].crossover and " at 2 (" in rows["int4"].crossover
+    assert "n=2" in rows["int4"].crossover
+    if hardware.profile().native_bf16:  # nothing faster to look for: no probe
+        assert summary.reference["dtype"] == "bfloat16" and "probe" not in summary.reference
 
 
 def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
@@ -308,6 +316,14 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
         assert summary.models["baseline"].workloads["tiny"].points[2][
             tracking.OUTPUT_TOKENS_PER_S] > 0
         assert "unsupported on this hardware (pack-quantized)" in format_table(summary, loads)
+        # no native bf16 here: the baseline was served in bf16 and float32 side by side, and
+        # the faster of the two is the reference of every speedup (said in the table)
+        reference = summary.reference
+        assert reference["dtype"] in ("bfloat16", "float32"), reference
+        assert reference["probe"]["bf16_tok_s"] and reference["probe"]["float32_tok_s"]
+        assert "no native bf16" in reference["why"]
+        assert f"reference: the baseline served in {reference['dtype']}" in format_table(
+            summary, loads)
 
         started = _count_starts(monkeypatch)
         scored = evaluate.evaluate(base, variants_of(base, ["int4"]),

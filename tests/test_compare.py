@@ -35,8 +35,9 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
               eval_backend=backend, threshold=99.0, gate_status=status,
               gate_reason="" if status == gate.PASS else f"suite app: {name} too wide")
     if speedup is not None:
-        row.headline = {tracking.SPEEDUP: speedup, f"{tracking.SPEEDUP}_min": speedup - 0.1,
-                        f"{tracking.SPEEDUP}_max": speedup + 0.1,
+        row.headline = {tracking.SPEEDUP: speedup, tracking.SPEEDUP_CI_LOW: speedup - 0.1,
+                        tracking.SPEEDUP_CI_HIGH: speedup + 0.1, tracking.SPEEDUP_N: 4,
+                        tracking.SPEEDUP_P_FASTER: 0.001 if speedup > 1.1 else 0.5,
                         tracking.OUTPUT_TOKENS_PER_S: 20 * speedup,
                         f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19 * speedup,
                         f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21 * speedup,
@@ -74,19 +75,20 @@ def test_the_fastest_variant_that_clears_its_gate_is_recommended() -> None:
     best, reason = recommend(rows)
     assert best == "int4"  # int8 is faster but its gate is inconclusive
     assert reason.startswith("int4 (objective speed: ") and \
-        "1.60x [1.50-1.70] the baseline's throughput" in reason
+        "1.60x [1.50, 1.70], n=4 the baseline's throughput" in reason
     assert "app 100.5% [99.5, 102.0]" in reason and "threshold 99%" in reason
 
 
 def test_a_slower_variant_or_one_not_shown_faster_is_never_shipped_for_speed() -> None:
     slower = _row("int8", 0.5, gate.PASS)
-    slower.headline[f"{tracking.SPEEDUP}_min"], slower.headline[f"{tracking.SPEEDUP}_max"] = \
+    slower.headline[tracking.SPEEDUP_CI_LOW], slower.headline[tracking.SPEEDUP_CI_HIGH] = \
         0.3, 0.8
-    straddles = _row("fp8", 1.05, gate.PASS)  # [0.95-1.15]
+    straddles = _row("fp8", 1.05, gate.PASS)  # [0.95, 1.15]
     best, reason = recommend([_baseline(), slower, straddles])
     assert best is None
-    assert "int8: passes its gate but is slower than the baseline (0.50x [0.30-0.80])" in reason
-    assert "fp8: passes its gate but is not shown faster" in reason and "straddles 1" in reason
+    assert "int8: passes its gate but is slower than the baseline: 0.50x [0.30, 0.80]" in reason
+    assert "fp8: passes its gate but is not shown faster" in reason
+    assert "inconclusive at n = 4" in reason
     # for memory, speed is not the question: the smallest passing variant
     small = _row("int4", 0.9, gate.PASS)
     small.weight_bytes = 113_000_000
@@ -191,7 +193,7 @@ def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path
 
     text = report.terminal(comparison)
     assert "recommendation: ship fp8 (objective speed" in text
-    assert "1.25x [1.15-1.35]" in text and "100.5% [99.5, 102.0] [emulated]" in text
+    assert "1.25x [1.15, 1.35], n=4 faster" in text and "100.5% [99.5, 102.0] [emulated]" in text
     assert "mxfp4: accuracy from the emulated path" in text
 
     md = report.markdown(comparison)

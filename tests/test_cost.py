@@ -61,8 +61,9 @@ def test_the_price_is_the_override_then_the_gpu_preset_then_the_host_figure():
 
 
 def _sweep(*points: tuple[int, float, float, float]) -> dict[int, dict[str, float]]:
-    return {c: {tracking.SPEEDUP: s, tracking.SPEEDUP + "_min": lo, tracking.SPEEDUP + "_max": hi}
-            for c, s, lo, hi in points}
+    """Load -> a speedup with its interval (point, low, high), as bench records them."""
+    return {c: {tracking.SPEEDUP: s, tracking.SPEEDUP_CI_LOW: lo, tracking.SPEEDUP_CI_HIGH: hi,
+                tracking.SPEEDUP_N: 4} for c, s, lo, hi in points}
 
 
 def test_crossover_is_interpolated_in_log_concurrency():
@@ -74,10 +75,12 @@ def test_crossover_is_interpolated_in_log_concurrency():
                            "slower beyond")
 
 
-def test_crossover_when_the_speedup_never_crosses_or_is_unclear():
+def test_crossover_says_every_load_only_when_every_interval_agrees():
     assert crossover.sentence(_sweep((1, 0.77, 0.7, 0.8), (4, 0.73, 0.7, 0.76))).startswith(
         "slower than the baseline at every load measured (concurrency 1-4")
+    # medians above 1 at both loads, but the interval at 1 straddles it: not "every load"
     unclear = crossover.sentence(_sweep((1, 1.05, 0.95, 1.1), (4, 1.2, 1.1, 1.3)))
-    assert "faster than the baseline at every load" in unclear
-    assert "at concurrency 1 its repeats straddle 1" in unclear
+    assert "at every load" not in unclear
+    assert "inconclusive at 1 (1.05x [0.95, 1.10], n=4)" in unclear
+    assert "faster at 4 (1.20x [1.10, 1.30], n=4)" in unclear
     assert crossover.sentence({}) == ""

@@ -98,3 +98,25 @@ def test_doctor_on_gpus_follows_the_compute_capability() -> None:
     assert on("7.5")["int4"].status == doctor.UNSUPPORTED and on("7.5")["int8"].status == \
         doctor.SERVES
     assert [s.status for s in on("").values()] == [doctor.UNKNOWN]
+
+
+def test_native_bf16_decides_whether_float32_is_probed_as_the_reference(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from pipeline.bench import reference
+    from pipeline.core.variant import Variant
+    from pipeline.serve import EngineSettings
+
+    assert _cpu(AVX512_BF16).native_bf16 and _cpu(SAPPHIRE).native_bf16
+    assert not _cpu(AVX2_ONLY).native_bf16 and not _cpu(SAPPHIRE, "avx2").native_bf16
+    assert not _cpu(AVX512_BF16.replace(" avx512_bf16", "")).native_bf16
+    # native bf16, or a GPU: the engine's dtype, nothing measured
+    monkeypatch.setattr(hardware, "profile", lambda: _cpu(AVX512_BF16))
+    base = Variant("baseline", tmp_path, "B")
+    chosen = reference.choose(base, [], EngineSettings(), tmp_path, tmp_path, "cpu")
+    assert chosen["dtype"] == "bfloat16" and "natively" in chosen["why"]
+    assert reference.choose(base, [], EngineSettings(), tmp_path, tmp_path, "cuda")[
+        "dtype"] == "bfloat16"
+    # no native bf16 but no speed sweep to compare on: said so
+    monkeypatch.setattr(hardware, "profile", lambda: _cpu(AVX2_ONLY))
+    assert "no speed sweep" in reference.choose(base, [], EngineSettings(), tmp_path,
+                                                tmp_path, "cpu")["why"]

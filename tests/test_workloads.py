@@ -11,14 +11,15 @@ from pipeline.core.errors import ConfigError
 def test_shipped_workloads_load_and_describe_a_client_run() -> None:
     chat = workloads.load("chat")
     assert chat.dataset == "random" and chat.headline in chat.load_points
-    assert chat.repeats >= 3
+    assert chat.repeats >= 2 and chat.max_repeats > chat.repeats  # sequential past the first look
+    assert chat.looks("cpu").last == chat.max_repeats and chat.looks("cuda").last == chat.repeats
     args = chat.client_args(16)
     assert args[args.index("--max-concurrency") + 1] == "16"
     assert int(args[args.index("--num-prompts") + 1]) == chat.num_prompts(16) >= max(
         chat.min_prompts, chat.prompts_per_concurrency * 16)
     # every repeat and load point draws its own prompts; every model gets the same ones
     seeds = {(c, r): chat.client_args(c, r)[chat.client_args(c, r).index("--seed") + 1]
-             for c in chat.load_points for r in range(chat.repeats)}
+             for c in chat.load_points for r in range(chat.max_repeats)}
     assert len(set(seeds.values())) == len(seeds)
     assert chat.client_args(4, 1) == chat.client_args(4, 1)
     prefix = workloads.load("prefix")

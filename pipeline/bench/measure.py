@@ -23,7 +23,8 @@ from pipeline.bench.workloads import Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
 from pipeline.core.provenance import vllm_version
-from pipeline.core.variant import Variant
+from pipeline.core.speedup import decided
+from pipeline.core.variant import BASELINE, Variant
 from pipeline.plan import capacity
 from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.serve import (
@@ -119,20 +120,23 @@ def failed(record: ModelRecord, err: ServeError, log_path: Path) -> None:
 
 @contextlib.contextmanager
 def servers(models: list[Variant], records: dict[str, ModelRecord], settings: EngineSettings,
-            logs: Path, label: str, pool: ServerPool | None = None
-            ) -> Iterator[dict[str, VllmServer]]:
+            logs: Path, label: str, pool: ServerPool | None = None,
+            dtypes: dict[str, str] | None = None) -> Iterator[dict[str, VllmServer]]:
     """A server per model; an unsupported format is recorded, not fatal. With a ``pool``, a
-    server it holds is reused and a new one is left running in it for the next stage."""
+    server it holds is reused and a new one is left running in it for the next stage.
+    ``dtypes``: a model served in another ``--dtype`` than the engine's (the reference)."""
     with contextlib.ExitStack() as stack:
         live, starting = {}, []
         for model in models:  # launched together: on CPUs their loading overlaps
             record = records[model.name]
             if record.status != "ok":
                 continue
-            server = pool.get(model.path, model.served_name, settings) if pool else None
+            own = settings.model_copy(update={"dtype": (dtypes or {}).get(model.name,
+                                                                          settings.dtype)})
+            server = pool.get(model.path, model.served_name, own) if pool else None
             if server is None:
                 log.info(f"starting vLLM for {model.name} ({label}) ...")
-                server = VllmServer(model.path, model.served_name, settings,
+                server = VllmServer(model.path, model.served_name, own,
                                     logs / f"server-{model.name}-{label}.log")
                 server.launch()
                 stack.callback(_stop_unless_kept, server, pool)
@@ -223,13 +227,14 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
 
 def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, ModelRecord],
             settings: EngineSettings, out: Path, logs: Path, caching: bool,
-            pool: ServerPool | None = None, searches: tuple[Workload, ...] = ()) -> None:
+            pool: ServerPool | None = None, searches: tuple[Workload, ...] = (),
+            dtypes: dict[str, str] | None = None) -> None:
     """Every step, the models of a group back to back (interleaved); then each capacity
     search (``searches``: workloads with an slo), the models' runs interleaved too."""
     label = "cache-on" if caching else "cache-off"
     run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
     for group in groups:
-        with servers(group, records, run_settings, logs, label, pool) as live:
+        with servers(group, records, run_settings, logs, label, pool, dtypes) as live:
             if not live or not (steps or searches):
                 continue
             for name, server in list(live.items()):
@@ -241,18 +246,65 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
             env = next(iter(live.values())).environment() if live else {}
             with BenchClient(env, logs / "bench-client.log") as client:
                 for i, step in enumerate(steps, start=1):
-                    for name, server in list(live.items()):
-                        if not step.runs_on(name):
-                            continue
-                        log.info(f"{i}/{len(steps)} {name}: {step.key} concurrency "
-                                 f"{step.concurrency} repeat {step.repeat + 1}/"
-                                 f"{step.workload.repeats}")
-                        try:
-                            _load_point(client, server, records[name], step, out / "runs")
-                        except ServeError as err:
-                            _drop(live, name, records, err, pool)
+                    _run_step(client, live, records, step, out, pool, f"{i}/{len(steps)}",
+                              list(live))
+                if not caching:
+                    _repeat_undecided(client, live, records, steps, out, pool)
                 for workload in searches:
                     search_capacity(client, live, records, workload, out / "runs", pool)
+
+
+def _run_step(client: BenchClient, live: dict[str, VllmServer], records: dict[str, ModelRecord],
+              step: Step, out: Path, pool: ServerPool | None, progress: str,
+              names: list[str]) -> None:
+    """One step for ``names``, in the baseline-first order on even repeats and reversed on odd
+    ones, so that neither side of a ratio always runs first."""
+    order = names if step.repeat % 2 == 0 else names[::-1]
+    for name in order:
+        if name not in live or not step.runs_on(name):
+            continue
+        log.info(f"{progress} {name}: {step.key} concurrency {step.concurrency} repeat "
+                 f"{step.repeat + 1}")
+        try:
+            _load_point(client, live[name], records[name], step, out / "runs")
+        except ServeError as err:
+            _drop(live, name, records, err, pool)
+
+
+def speed_ratios(runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) -> list[float]:
+    """Per repeat, the variant's output throughput over the baseline's run of the same prompts
+    (repeat r of each: a variant that stopped early pairs with the baseline's first runs)."""
+    return [v["output_throughput"] / b["output_throughput"]
+            for v, b in zip(runs, base_runs, strict=False)
+            if v.get("output_throughput") and b.get("output_throughput")]
+
+
+def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
+                      records: dict[str, ModelRecord], steps: list[Step], out: Path,
+                      pool: ServerPool | None) -> None:
+    """Past the fixed repeats, each speed sweep's load point is repeated for the baseline and
+    the variants whose speedup there is still undecided, up to the workload's cap (the
+    sequential rule of :mod:`pipeline.core.speedup`: stopping when decided keeps its error
+    rate)."""
+    points: dict[tuple[str, int], Step] = {}
+    for step in steps:
+        if step.workload.slo is None and not step.caching:
+            points[(step.key, step.concurrency)] = step
+    for (key, concurrency), last in points.items():
+        looks = last.workload.looks("cpu")
+        cap = max(last.workload.repeats, last.workload.max_repeats)
+        repeat = last.repeat + 1
+        while repeat < cap and BASELINE in live:
+            base = records[BASELINE].runs.get(key, {}).get(concurrency, [])
+            undecided = [name for name in live if name != BASELINE and last.runs_on(name)
+                         and not decided(speed_ratios(records[name].runs.get(key, {}).get(
+                             concurrency, []), base), looks)]
+            if not undecided:
+                break
+            step = Step(last.workload, key, repeat, concurrency, caching=False)
+            _run_step(client, live, records, step, out, pool,
+                      f"undecided ({', '.join(undecided)}):", [BASELINE, *undecided])
+            repeat += 1
 
 
 def search_capacity(client: BenchClient, live: dict[str, VllmServer],

@@ -13,6 +13,7 @@ import hashlib
 import json
 from datetime import datetime, timezone
 
+from pipeline.bench import reference
 from pipeline.bench import workloads as workloads_mod
 from pipeline.bench.measure import ModelRecord, measure, recall_unsupported, steps_for
 from pipeline.bench.settings import BenchSettings
@@ -25,7 +26,7 @@ from pipeline.core.artifacts import BenchSummary
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.provenance import vllm_version
-from pipeline.core.variant import Variant, with_baseline
+from pipeline.core.variant import BASELINE, Variant, with_baseline
 from pipeline.quantize import baseline as baselines
 from pipeline.serve import EngineSettings, ServerPool
 
@@ -98,17 +99,22 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
     searches = tuple(w for w in loads if w.slo is not None)
     with atomic_dir(out) as tmp:
+        chosen = reference.choose(models[0], loads, settings, tmp, logs, target)
+        dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
         measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)
                         or any(w.runs_on(m.name) for w in searches)]), cold,
-                records, settings, tmp, logs, caching=False, pool=pool, searches=searches)
+                records, settings, tmp, logs, caching=False, pool=pool, searches=searches,
+                dtypes=dtypes)
         measure(groups([m for m in models if any(s.runs_on(m.name) for s in warm)]), warm,
-                records, settings, tmp, logs, caching=True)
+                records, settings, tmp, logs, caching=True, dtypes=dtypes)
         summary = BenchSummary(
             baseline=base.name, target=target, key=key,
             measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             engine=settings.model_dump(), hardware=hardware.profile().as_dict(),
             speedup_pairing=pairing(target), workloads=[str(w.path) for w in loads],
-            headline={w.name: w.headline for w in loads}, models=summarize(records, loads))
+            reference=chosen,
+            headline={w.name: w.headline for w in loads},
+            models=summarize(records, loads, target))
         summary.write(tmp / BenchSummary.FILE)
     return summary.as_read()
 

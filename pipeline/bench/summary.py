@@ -3,15 +3,17 @@ MLflow runs (``bench:<model>``, every load point a step)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
-from pipeline.bench.measure import ModelRecord
+from pipeline.bench.measure import ModelRecord, speed_ratios
 from pipeline.bench.slo import Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, ModelBench, WorkloadFigures
 from pipeline.core.provenance import vllm_version
+from pipeline.core.speedup import Looks, Speedup, speedup, verdict_of
 from pipeline.core.variant import BASELINE
 from pipeline.serve import EngineSettings
 
@@ -56,26 +58,48 @@ def _percentile_metrics(results: list[dict]) -> dict[str, str]:
     return found
 
 
-def _point(results: list[dict], base_runs: list[dict]) -> dict[str, float]:
-    """The figures of one load point; speedup: the median of the per-repeat ratios (each
-    repeat's variant run over the baseline's run of the same prompts), with their min and max
-    as its spread (one estimator for both)."""
+def point_figures(results: list[dict], base_runs: list[dict], looks: Looks | None
+           ) -> dict[str, float]:
+    """The figures of one load point: medians and spread of the client's metrics; and the
+    speedup, from the per-repeat ratios (each repeat's variant run over the baseline's run of
+    the same prompts) by the sequential rule of :mod:`pipeline.core.speedup`: its geometric
+    mean, its interval at the look that decided, n, the interval's level and the sequential
+    p-value of "faster" (``speedup_verdict`` reads the verdict back from the interval)."""
     stats: dict[str, float] = {}
     for src, metric in {**CLIENT_METRICS, **_percentile_metrics(results)}.items():
         values = [r[src] for r in results if r.get(src) is not None]
         if values:  # how well the repeats agree: throughput's relative spread
             stats.update({f"{metric}{k}": v for k, v in _spread(values).items()
                           if k != "_rel_spread" or src == "output_throughput"})
-    if base_runs and len(base_runs) == len(results):
-        ratios = [v["output_throughput"] / b["output_throughput"]
-                  for v, b in zip(results, base_runs, strict=True)]
-        stats.update({f"{tracking.SPEEDUP}{k}": v for k, v in _spread(ratios).items()
-                      if k != "_rel_spread"})
+    ratios = speed_ratios(results, base_runs) if looks is not None else []
+    if ratios:
+        found = speedup(ratios, looks)
+        stats[tracking.SPEEDUP] = found.point
+        stats[tracking.SPEEDUP_N] = found.n
+        stats[tracking.SPEEDUP_P_FASTER] = found.p_faster
+        if len(ratios) > 1:  # the per-repeat noise (make calibrate's default)
+            stats[tracking.SPEEDUP_LOG_SD] = statistics.stdev(math.log(r) for r in ratios)
+        if found.low is not None and found.high is not None:
+            stats.update({tracking.SPEEDUP_CI_LOW: found.low,
+                          tracking.SPEEDUP_CI_HIGH: found.high,
+                          tracking.SPEEDUP_LEVEL: found.level})
     return stats
 
 
-def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[str, ModelBench]:
-    """Medians and spread per model, workload and load point; speedup against the baseline."""
+def speedup_of(stats: dict[str, float]) -> Speedup | None:
+    """A load point's speedup as recorded (None where it has none: the baseline, a failure)."""
+    if tracking.SPEEDUP not in stats:
+        return None
+    low, high = stats.get(tracking.SPEEDUP_CI_LOW), stats.get(tracking.SPEEDUP_CI_HIGH)
+    return Speedup(stats[tracking.SPEEDUP], low, high, int(stats.get(tracking.SPEEDUP_N, 0)),
+                   stats.get(tracking.SPEEDUP_LEVEL, 0.0), verdict_of(low, high),
+                   stats.get(tracking.SPEEDUP_P_FASTER, 1.0))
+
+
+def summarize(records: dict[str, ModelRecord], loads: list[Workload],
+              target: str = "cpu") -> dict[str, ModelBench]:
+    """Medians and spread per model, workload and load point; speedup against the baseline,
+    looked at as ``target`` measured it (sequentially where the models were interleaved)."""
     base = records[BASELINE]
     by_name = {w.name: w for w in loads}
     out: dict[str, ModelBench] = {}
@@ -89,8 +113,11 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload]) -> dict[st
             expected = workload.expected_prefix_hit_rate(
                 int(record.kv.get("kv_block_size") or 0), workload.headline) \
                 if workload is not None and workload.compare_prefix_caching else None
+            sweep = by_name.get(key.removesuffix("_nocache"))
+            looks = sweep.looks(target) if sweep is not None else None
             figures[key] = WorkloadFigures(
-                points={c: _point(results, base_points.get(c, []) if name != BASELINE else [])
+                points={c: point_figures(results, base_points.get(c, []),
+                                  looks if name != BASELINE else None)
                         for c, results in points.items()},
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
@@ -130,9 +157,15 @@ def length_distribution(results: list[dict]) -> dict[str, float] | None:
     for name, values in (("input_tokens", sorted(inputs)), ("output_tokens", sorted(outputs))):
         if values:
             out.update({f"{name}_p50": statistics.median(values),
-                        f"{name}_p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+                        f"{name}_p90": values[nearest_rank(len(values), 0.9)],
                         f"{name}_max": values[-1]})
     return out
+
+
+def nearest_rank(n: int, q: float) -> int:
+    """The index of the q-quantile of n sorted values by nearest rank: ceil(q n) - 1 (N = 10:
+    the 9th value for p90, not the maximum)."""
+    return min(n - 1, max(0, math.ceil(q * n - 1e-9) - 1))
 
 
 def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,

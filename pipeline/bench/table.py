@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pipeline.bench.summary import speedup_of
 from pipeline.bench.workloads import Workload
 from pipeline.core import tracking
 from pipeline.core.artifacts import BenchSummary, ModelBench
 
+SPEED_METHOD = ("geometric mean of the per-repeat ratios [interval at the look that decided: "
+                "t on log ratios, sequential], n repeats; faster / slower when the interval "
+                "excludes 1 (a false 'faster' at most 5%: make calibrate), within +-5% when it "
+                "lies inside [0.95, 1.05]")
 # Which hardware serves a format that this machine's engine rejected.
 SERVED_ON = {
     "mxfp4-pack-quantized": "NVIDIA Blackwell GPUs (native MXFP4); Hopper through vLLM's "
@@ -30,11 +35,10 @@ def _line(name: str, entry: ModelBench, workload: Workload) -> str | None:
            f"[{stats[tracking.OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
            f"{stats[tracking.OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
     spread = f"{stats.get(tracking.OUTPUT_TOKENS_PER_S + '_rel_spread', 0):.0%}"
-    speed = (f"{stats[tracking.SPEEDUP]:.2f}x [{stats[tracking.SPEEDUP + '_min']:.2f}-"
-             f"{stats[tracking.SPEEDUP + '_max']:.2f}]") if tracking.SPEEDUP in stats \
-        else "(reference)"
+    found = speedup_of(stats)
+    speed = f"{found.text()} {found.verdict}" if found is not None else "(reference)"
     kv = int(entry.kv.get(tracking.KV_CACHE_TOKENS, 0))
-    return (f"  {name:10s} {tps:>22s} {spread:>7s} {speed:>18s} "
+    return (f"  {name:10s} {tps:>22s} {spread:>7s} {speed:>36s} "
             f"{stats[tracking.TTFT_MS_P50]:7.0f}ms {stats[tracking.TTFT_MS_P99]:7.0f}ms "
             f"{stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} {data.prefix_cache_hit_rate:>10.1%}")
 
@@ -92,10 +96,13 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
             "prefix caching off: cold, distinct prompts"
         out = (f"{workload.output_len} tokens out" if workload.output_len
                else "each its own output length")
+        looks = workload.looks(summary.target)
+        repeats = (f"{looks.first}-{looks.last} repeats (more while a speedup is undecided)"
+                   if looks.last > workload.repeats else f"{workload.repeats} repeats")
         lines.append(f"\n{workload.name} (concurrency {head}, {workload.num_prompts(head)} "
-                     f"requests x {out}; {caching}; median of "
-                     f"{workload.repeats} repeats [min-max], spread = (max - min) / median)")
-        lines.append(f"  {'model':10s} {'out tok/s':>22s} {'spread':>7s} {'speedup':>18s} "
+                     f"requests x {out}; {caching}; {repeats}: tok/s median [min-max], "
+                     "spread = (max - min) / median)")
+        lines.append(f"  {'model':10s} {'out tok/s':>22s} {'spread':>7s} {'speedup':>36s} "
                      f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'KV tokens':>10s} "
                      f"{'cache hits':>10s}")
         lines += [line for name, entry in summary.models.items() if workload.runs_on(name)
@@ -113,6 +120,8 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
                     f"{data.prefix_cache_expected_hit_rate or 0:.1%}), TTFT p50 "
                     f"{data.prefix_cache_ttft_speedup:.2f}x faster than with caching off")
     if summary.speedup_pairing:
-        lines.append(f"\nspeedup: median of the per-repeat ratios [min-max], "
-                     f"{summary.speedup_pairing}")
+        lines.append(f"\nspeedup: {SPEED_METHOD}; {summary.speedup_pairing}")
+    if summary.reference:
+        lines.append(f"reference: the baseline served in {summary.reference['dtype']} "
+                     f"({summary.reference['why']})")
     return "\n".join(lines)

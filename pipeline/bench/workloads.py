@@ -33,6 +33,7 @@ from pipeline.bench import request_files
 from pipeline.bench.slo import Objective
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
+from pipeline.core.speedup import Looks
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 
@@ -76,6 +77,15 @@ class Workload:
     slo: Objective | None = None  # a capacity search instead of fixed load points
     search_ceiling: int = 32
     search_precision: float = 0.25
+    # a speed sweep's cap: its points are repeated past ``repeats`` while a variant's speedup
+    # is undecided (interleaved on a CPU host; 0: exactly ``repeats``)
+    max_repeats: int = 0
+
+    def looks(self, target: str) -> Looks:
+        """When each speedup of this workload is looked at: sequentially up to max_repeats
+        where the models are interleaved (CPU), at ``repeats`` alone where they run in turn."""
+        last = max(self.repeats, self.max_repeats) if target == "cpu" else self.repeats
+        return Looks.of(self.repeats, last)
 
     def runs_on(self, model_name: str) -> bool:
         return self.models == "all" or model_name == "baseline"
@@ -170,7 +180,8 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
           "search_ceiling": int, "search_precision": (int, float), "prompts": str,
-          "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int}
+          "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int,
+          "max_repeats": int}
 # the smallest value of each numeric field (and the largest, where there is one)
 RANGES: dict[str, tuple[float, float | None]] = {
     "headline": (1, None), "repeats": (1, None), "seed": (0, None),
@@ -178,7 +189,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "input_len": (1, None), "range_ratio": (0, 0.999), "prefix_len": (1, None),
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
     "search_ceiling": (1, None), "search_precision": (0.001, 0.999),
-    "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None)}
+    "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
+    "max_repeats": (0, None)}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": (),
             "timed_trace": ()}
@@ -251,6 +263,10 @@ def load(name_or_path: str) -> Workload:
                   prompts_per_concurrency=int(data.get("prompts_per_concurrency", 4)),
                   min_prompts=int(data.get("min_prompts", 8)),
                   min_output_tokens=int(data.get("min_output_tokens", 0)))
+    if values.get("max_repeats") and values["max_repeats"] < values["repeats"]:
+        raise ConfigError(f"{path}: max_repeats ({values['max_repeats']}) is below repeats "
+                          f"({values['repeats']}): it caps the repeats a speed sweep adds while "
+                          "a speedup is undecided.")
     if slo is not None and values.get("compare_prefix_caching"):
         raise ConfigError(f"{path}: a capacity search (slo) runs cold; it cannot also compare "
                           "prefix caching (make it two workloads).")

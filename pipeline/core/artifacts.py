@@ -228,6 +228,8 @@ class BenchSummary(Artifact):
     engine: dict[str, Any] = Field(default_factory=dict)
     hardware: dict[str, Any] = Field(default_factory=dict)
     speedup_pairing: str = ""
+    # the reference of every speedup: the baseline's dtype, why, and the probe that chose it
+    reference: dict[str, Any] = Field(default_factory=dict)
     workloads: list[str] = Field(default_factory=list)
     headline: dict[str, int] = Field(default_factory=dict)
     models: dict[str, ModelBench] = Field(default_factory=dict)

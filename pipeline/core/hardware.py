@@ -66,6 +66,14 @@ class Profile:
         return self.cpu_flags
 
     @property
+    def native_bf16(self) -> bool:
+        """Whether bf16 arithmetic runs in hardware (CPU: AVX-512 bf16 or AMX; GPUs: taken as
+        yes). Without it vLLM CPU emulates bf16 and float32 may serve faster."""
+        if self.target != "cpu":
+            return True
+        return any(f in self.flags_seen for f in ("avx512_bf16", "amx_bf16"))
+
+    @property
     def kernel_library(self) -> str:
         """The vLLM CPU kernel library this CPU makes vLLM load (``import_kernels``)."""
         if self.machine not in ("x86_64", "AMD64"):

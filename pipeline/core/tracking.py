@@ -178,6 +178,11 @@ ITL_MS_P50 = "itl_ms_p50"
 ITL_MS_P99 = "itl_ms_p99"
 E2E_MS_P50 = "e2e_ms_p50"
 SPEEDUP = "speedup"  # variant output_tokens_per_s / baseline's, same load point, same invocation
+# (the geometric mean of the per-repeat ratios); its interval, n, level and the sequential
+# p-value of "faster" (pipeline.core.speedup)
+SPEEDUP_CI_LOW, SPEEDUP_CI_HIGH = "speedup_ci_low", "speedup_ci_high"
+SPEEDUP_N, SPEEDUP_LEVEL, SPEEDUP_P_FASTER = "speedup_n", "speedup_level", "speedup_p_faster"
+SPEEDUP_LOG_SD = "speedup_log_sd"  # the spread of the per-repeat log ratios
 KV_CACHE_TOKENS = "kv_cache_tokens"  # as the engine reports it
 MAX_CONCURRENCY = "max_concurrency"  # the engine's figure for max_model_len tokens per request
 KV_CACHE_TOKENS_VS_PLANNED = "kv_cache_tokens_vs_planned"  # reported / planner's prediction

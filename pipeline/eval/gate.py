@@ -201,8 +201,11 @@ def _judge_tasks(entries: Entries, threshold: float,
                 f"{task}: not meaningful (baseline {r['baseline_score']:.3f} is within noise "
                 f"of chance {r['chance']:.3f})")
             continue
+        skill = r.get("above_chance_pct")
+        above = f" (above chance: {skill:.1f}%)" if skill is not None else ""
         line = (f"{task}{_mark(entry.backend)}: recovery {r['recovery_pct']:.1f}% "
-                f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}], {r['flips']}/{r['n']} flips")
+                f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}]{above}, "
+                f"{r['flips']}/{r['n']} flips")
         _sort(line, r["ci_low"], r["ci_high"], threshold, out,
               _certify(r["n"], r.get("certifiable_pct"), threshold,
                        [(r["n"], r["baseline_score"])]))

@@ -87,7 +87,7 @@ def print_report(model: Variant, backend: str, tasks: list[suites.Task],
     mark = " [emulated: hf backend, de-compressed weights]" if backend == EMULATED else ""
     print(f"\n{model.name} vs baseline, both {backend}{mark}")
     print(f"  {'task':14s} {'metric':28s} {'base':>6s} {'variant':>7s} {'recovery':>9s} "
-          f"{'95% CI':>15s} {'flips':>9s} {'n certifies':>11s}")
+          f"{'95% CI':>15s} {'flips':>9s} {'n certifies':>11s} {'above chance':>12s}")
     for task in tasks:
         for key, r in recoveries[task.name].items():
             if r.meaningful:
@@ -97,8 +97,9 @@ def print_report(model: Variant, backend: str, tasks: list[suites.Task],
                 rec, ci = "not meaningful", f"(chance {r.chance:.2f})"
             flips = f"{r.flips}/{r.n}"
             best = f"{_fmt(r.certifiable_pct)}%" if r.meaningful else "-"
+            skill = f"{_fmt(r.above_chance_pct)}%" if r.above_chance_pct is not None else "-"
             print(f"  {task.name:14s} {key:28s} {r.baseline_score:6.3f} {r.variant_score:7.3f} "
-                  f"{rec:>9s} {ci:>15s} {flips:>9s} {best:>9s}")
+                  f"{rec:>9s} {ci:>15s} {flips:>9s} {best:>11s} {skill:>12s}")
     for suite, fig in figures.items():
         name = "all suites" if suite == "*" else f"suite {suite}"
         if fig.recovery_pct is None:

@@ -2,15 +2,17 @@
 
 Weight-only formats typically win at low concurrency, where decoding is bound by reading the
 weights, and lose at high concurrency, where the engine is compute-bound and dequantization is
-extra work. Read from one sweep's paired speedups (median of the per-repeat ratios per load
-point); the crossing is interpolated linearly in log concurrency between the two points whose
-medians lie either side of 1.
+extra work. Read from one sweep's paired speedups and their verdicts per load point
+(:mod:`pipeline.core.speedup`); a crossing is claimed only between two loads whose intervals
+are decided either way, interpolated linearly in log concurrency between their estimates.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from pipeline.bench.summary import speedup_of
+from pipeline.core.speedup import FASTER, SLOWER
 from pipeline.core.tracking import SPEEDUP
 
 
@@ -26,25 +28,24 @@ def crossings(sweep: dict[int, dict[str, float]]) -> list[float]:
 
 
 def sentence(sweep: dict[int, dict[str, float]]) -> str:
-    """One sentence: faster or slower than the baseline, and up to which load ("" unmeasured)."""
-    points = [(c, st) for c, st in sorted(sweep.items()) if SPEEDUP in st]
+    """One sentence: each load's verdict (its interval, n), and where the speedup crosses 1
+    between two loads decided either way ("" unmeasured). "At every load" is said only when
+    every load's interval is decided the same way."""
+    points = [(c, found) for c, st in sorted(sweep.items()) if (found := speedup_of(st))]
     if not points:
         return ""
-    measured = ", ".join(f"{st[SPEEDUP]:.2f}x at {c}" for c, st in points)
-    first = "faster" if points[0][1][SPEEDUP] > 1 else "slower"
-    other = "slower" if first == "faster" else "faster"
-    found = crossings(sweep)
-    if not found:
-        loads = f"concurrency {points[0][0]}" + (f"-{points[-1][0]}" if len(points) > 1 else "")
-        text = f"{first} than the baseline at every load measured ({loads}: {measured})"
-    else:
-        text = (f"{first} than the baseline up to about {found[0]:.1f} concurrent requests, "
-                f"{other} beyond ({measured})")
-        if len(found) > 1:
-            text += f"; it crosses 1 {len(found)} times"
-    unclear = [str(c) for c, st in points
-               if st.get(f"{SPEEDUP}_min", 0) <= 1 <= st.get(f"{SPEEDUP}_max", 0)]
-    if unclear:
-        text += (f"; at concurrency {', '.join(unclear)} its repeats straddle 1 (not shown "
-                 "either way)")
-    return text
+    measured = "; ".join(f"{found.verdict} at {c} ({found.text()})" for c, found in points)
+    verdicts = {found.verdict for _, found in points}
+    loads = f"concurrency {points[0][0]}" + (f"-{points[-1][0]}" if len(points) > 1 else "")
+    if len(verdicts) == 1 and verdicts <= {FASTER, SLOWER}:
+        return f"{points[0][1].verdict} than the baseline at every load measured ({loads}: " \
+               f"{measured})"
+    decided = [(c, found) for c, found in points if found.verdict in (FASTER, SLOWER)]
+    turns = [(a, b) for (a, fa), (b, fb) in itertools.pairwise(decided)
+             if fa.verdict != fb.verdict]
+    found = crossings({c: sweep[c] for c, _ in decided})
+    if turns and found:
+        first = decided[0][1].verdict
+        return (f"{first} than the baseline up to about {found[0]:.1f} concurrent requests, "
+                f"{SLOWER if first == FASTER else FASTER} beyond ({measured})")
+    return f"not one verdict over {loads}: {measured}"

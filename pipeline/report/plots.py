@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
@@ -56,13 +57,20 @@ def plot_pareto(comparison: Comparison) -> tuple[str, str]:
         if row.speedup is None or fig_s.get("recovery_pct") is None:
             continue
         y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
-        ax.errorbar([row.speedup], [y], yerr=[[y - low], [high - y]], fmt="o", capsize=4,
-                    label=f"{row.name} (gate {row.gate_status})")
-        label = row.name + (" [emulated]" if fig_s.get("backend") == EMULATED else "")
+        x = row.speedup
+        x_low = row.headline.get(tracking.SPEEDUP_CI_LOW, x)
+        x_high = row.headline.get(tracking.SPEEDUP_CI_HIGH, x)
+        other = "" if row.comparable else ", other run: not compared"
+        ax.errorbar([x], [y], yerr=[[y - low], [high - y]], xerr=[[x - x_low], [x_high - x]],
+                    fmt="o" if row.comparable else "x", capsize=4, alpha=1 if row.comparable
+                    else 0.5, label=f"{row.name} (gate {row.gate_status}{other})")
+        label = row.name + (" [emulated]" if fig_s.get("backend") == EMULATED else "") + (
+            " (other run)" if not row.comparable else "")
         ax.annotate(label, (row.speedup, y), textcoords="offset points", xytext=(6, 4))
         drawn += 1
     ax.axhline(100, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel(f"speedup vs baseline (output tok/s, concurrency {comparison.load_point})")
+    ax.set_xlabel(f"speedup vs baseline (output tok/s, concurrency {comparison.load_point}), "
+                  "with its interval")
     ax.set_ylabel(f"recovery, suite {suite} (%), 95% CI" if suite else "recovery (%)")
     ax.set_title("Recovery against speedup (up and right is better)")
     if drawn:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from pipeline.bench.summary import speedup_of
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Row
 from pipeline.core.campaigns import OBJECTIVES
+from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
 from pipeline.plan import capacity
 from pipeline.report.cost import USD_PER_MTOK
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
+SPEED_BASIS = "geometric mean [interval], t on log ratios, sequential"
 OBJECTIVE_TEXT = {
-    "speed": "the fastest variant that passes its gate and is faster than the baseline in "
-             "every repeat",
+    "speed": "the fastest variant that passes its gate and is shown faster than the baseline "
+             "(its speedup's interval above 1, and still so after Holm's correction over the "
+             "variants compared)",
     "memory": "the variant with the smallest weights that passes its gate",
     "capacity": "the variant that holds the most concurrent requests at the plan target and "
                 "passes its gate",
@@ -28,12 +32,20 @@ def _suites_text(row: Row) -> str:
 
 
 def speed_text(row: Row) -> str:
-    h = row.headline
-    return (f"{h[tracking.SPEEDUP]:.2f}x [{h[tracking.SPEEDUP + '_min']:.2f}-"
-            f"{h[tracking.SPEEDUP + '_max']:.2f}]")
+    """``1.08x [1.03, 1.13], n=5`` (the interval at the look that decided)."""
+    found = speedup_of(row.headline)
+    return found.text() if found is not None else "not measured"
 
 
-def _why_not(row: Row, objective: str) -> str | None:
+def shown_faster(rows: list[Row]) -> set[str]:
+    """The variants whose "faster" survives Holm's correction over every variant with a
+    measured, comparable speedup: the family a recommendation is chosen from."""
+    p_values = {r.name: found.p_faster for r in rows if r.name != BASELINE and r.comparable
+                and (found := speedup_of(r.headline)) is not None}
+    return holm(p_values)
+
+
+def _why_not(row: Row, objective: str, family: set[str]) -> str | None:
     """Why ``row`` cannot be recommended for ``objective``; None when it can."""
     if row.gate_status != gate.PASS:
         detail = f": {row.gate_reason}" if row.gate_reason else ""
@@ -48,11 +60,18 @@ def _why_not(row: Row, objective: str) -> str | None:
     if objective == "cost" and USD_PER_MTOK not in row.cost:
         return ("passes its gate but has no cost figure: its capacity at the latency objective "
                 "was not measured or is 0 (the capacity workload)")
-    if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_max", 0) < 1:
-        return f"passes its gate but is slower than the baseline ({speed_text(row)})"
-    if objective == "speed" and row.headline.get(tracking.SPEEDUP + "_min", 0) <= 1:
-        return (f"passes its gate but is not shown faster than the baseline: its speedup "
-                f"{speed_text(row)} straddles 1")
+    found = speedup_of(row.headline)
+    if objective == "speed" and (found is None or found.verdict != FASTER):
+        verdict = found.verdict if found is not None else INCONCLUSIVE
+        what = {SLOWER: "is slower than the baseline",
+                SAME: "is within 5% of the baseline's speed"}.get(
+            verdict, "is not shown faster than the baseline (its interval holds 1: "
+                     f"inconclusive at n = {found.n if found else 0})")
+        return f"passes its gate but {what}: {speed_text(row)}"
+    if objective == "speed" and row.name not in family:
+        return (f"passes its gate and its interval is above 1 ({speed_text(row)}), but not "
+                f"after Holm's correction over the {len(family) or 'several'} variants compared "
+                "(one of several shown faster by chance is likely): more repeats settle it")
     return None
 
 
@@ -61,10 +80,11 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     suite, were served here and were measured in the comparison's reference run; else why
     none does, variant by variant."""
     eligible, why_not = [], []
+    family = shown_faster(rows)
     for row in rows:
         if row.name == BASELINE:
             continue
-        why = _why_not(row, objective)
+        why = _why_not(row, objective, family)
         if why is None:
             eligible.append(row)
         else:
@@ -73,8 +93,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         return None, (f"objective {objective} ({OBJECTIVE_TEXT[objective]}): no variant "
                       "qualifies: " + ("; ".join(why_not) if why_not else
                                        "no variant on disk (make quantize)"))
-    if objective == "speed":
-        best = max(eligible, key=lambda r: r.speedup or 0.0)
+    if objective == "speed":  # the largest lower end: the speed it is shown to have at least
+        best = max(eligible, key=lambda r: r.headline.get(tracking.SPEEDUP_CI_LOW) or 0.0)
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
     elif objective == "cost":
@@ -83,8 +103,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
                                             -r.weight_bytes))
     reason = (f"{best.name} (objective {objective}: {OBJECTIVE_TEXT[objective]}): "
-              f"{speed_text(best)} the baseline's throughput, {best.weight_ratio:.2f}x its "
-              f"weight memory")
+              f"{speed_text(best)} the baseline's throughput ({SPEED_BASIS}), "
+              f"{best.weight_ratio:.2f}x its weight memory")
     if best.plan:
         reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
                    "requests planned")

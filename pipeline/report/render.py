@@ -9,7 +9,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.table import lengths_text
+from pipeline.bench.summary import speedup_of
+from pipeline.bench.table import SPEED_METHOD, lengths_text
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
@@ -56,7 +57,10 @@ def _speed_cell(row: Row) -> str:
         return "FAILED (see notes)"
     if row.name == BASELINE:
         return "1.00x (reference)" if row.headline else "-"
-    cell = _spread(row.headline, tracking.SPEEDUP, "{:.2f}").replace(" [", "x [", 1)
+    found = speedup_of(row.headline)
+    if found is None:
+        return "-"
+    cell = f"{found.text()} {found.verdict}"
     return cell if row.comparable else f"{cell} (other run, not compared)"
 
 
@@ -88,7 +92,7 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     header = ["variant", "precision", "weights (x base)", "KV tokens (vLLM)",
               f"max conc. @{ctx} served", f"planned {_where(comparison)} paged/worst",
               "out tok/s [min-max]",
-              "speedup [min-max]", "TTFT p50 ms", "ITL p50 ms", "users @objective",
+              "speedup [interval], n, verdict", "TTFT p50 ms", "ITL p50 ms", "users @objective",
               f"$/M out tok @objective ({_price_label(comparison)})",
               *[f"recovery {s} [95% CI]" for s in _suites(comparison)], "gate", "figures from"]
     cells = []
@@ -122,9 +126,9 @@ def headline_line(comparison: Comparison) -> str:
     if comparison.load_point:
         m = comparison.measurement
         return (f"speed: workload {comparison.workload}, concurrency {comparison.load_point}, "
-                f"from {m.get('run', '?')} (median of the repeats [min-max]; speedup: the "
-                f"median of the per-repeat ratios to the baseline [min-max], "
-                f"{m.get('pairing') or 'pairing not recorded'})")
+                f"from {m.get('run', '?')} (tok/s: median of the repeats [min-max]; speedup: "
+                f"{SPEED_METHOD}; {m.get('pairing') or 'pairing not recorded'})"
+                + (f"; reference: {m['reference']}" if m.get("reference") else ""))
     return "speed: not measured yet (make bench)"
 
 
@@ -256,8 +260,9 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               "weight_ratio", "kv_cache_tokens", "max_concurrency",
               "served_concurrency_at_context", capacity.MAX_CONCURRENCY_PAGED,
               capacity.MAX_CONCURRENCY_WORST_CASE, "serving_status", "output_tokens_per_s",
-              "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup", "speedup_min",
-              "speedup_max", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+              "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup",
+              tracking.SPEEDUP_CI_LOW, tracking.SPEEDUP_CI_HIGH, tracking.SPEEDUP_N,
+              "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
               tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK,
               "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
