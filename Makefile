@@ -103,7 +103,7 @@ SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SL
 COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 
-.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean sensitivity search
+.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean sensitivity search calibrate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -188,6 +188,12 @@ search: $(PIPELINE_STAMP) $(SERVE_STAMP) ## a mixed-precision recipe: BUDGET=1.1
 	@$(QPIPE) search --baseline $(BASELINE) $(SCAN_OPTS) $(call opt,--budget,$(BUDGET)) \
 	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--name,$(NAME)) \
 	  $(call opt,--threshold,$(THRESHOLD))
+
+# how often each verdict is wrong, simulated against a known truth (RUNS= draws, FAST=1 subset)
+RUNS          ?=
+FAST          ?=
+calibrate: $(PIPELINE_STAMP) ## error rates of every verdict, measured by simulation: table + artifacts/calibration/
+	@$(QPIPE) calibrate $(call opt,--runs,$(RUNS)) $(if $(FAST),--fast)
 
 suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
 	@$(QPIPE) suites

@@ -43,6 +43,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "every stage for every recipe, then compare (make all)"),
     "compare": ("pipeline.report.settings:CompareSettings", "pipeline.report.stage:run",
                 "join the measured stages into one comparison, report and MLflow parent run"),
+    "calibrate": ("pipeline.calibrate.stage:CalibrateSettings", "pipeline.calibrate.stage:run",
+                  "how often each verdict is wrong: simulated against a known truth"),
     "plan": ("pipeline.plan.settings:PlanRequest", "pipeline.plan.cli:run",
              "plan weight and KV-cache memory and concurrency from a config"),
     "doctor": ("pipeline.serve.doctor:DoctorSettings", "pipeline.serve.doctor:run",

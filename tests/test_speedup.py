@@ -51,3 +51,12 @@ def test_holm_keeps_only_what_survives_the_family() -> None:
 def test_ratios_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         sp.speedup([1.0, 0.0], sp.Looks.of(2, 4))
+
+
+def test_the_p90_of_ten_values_is_the_ninth_not_the_largest() -> None:
+    from pipeline.bench.summary import length_distribution, nearest_rank
+
+    assert nearest_rank(10, 0.9) == 8 and nearest_rank(11, 0.9) == 9 and nearest_rank(1, 0.9) == 0
+    lengths = length_distribution([{"input_lens": list(range(1, 11)),
+                                    "output_lens": list(range(1, 11))}])
+    assert lengths is not None and lengths["input_tokens_p90"] == 9

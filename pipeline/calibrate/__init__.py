@@ -1,0 +1,1 @@
+"""How often each verdict is wrong: scenarios with a known truth through the verdicts' own code."""

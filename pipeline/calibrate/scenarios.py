@@ -1,0 +1,201 @@
+"""Scenarios with a known truth, each run through the very functions that make qpipe's verdicts.
+
+A scenario draws data the way a measurement would produce it (per-repeat throughputs of a
+baseline and its variants; per-item 0/1 scores of a baseline and a variant; a load point's
+runs meeting an objective or not), hands it to qpipe's own code (the bench summary that records
+a speedup, the recommendation, the gate, the capacity search) and returns the verdict it
+printed. Repeated many times with a seeded generator, the share of each verdict is its rate;
+a scenario states which verdicts would be wrong there and the most often each may happen (its
+nominal rate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.bench.measure import speed_ratios
+from pipeline.bench.slo import CapacitySearch
+from pipeline.bench.summary import point_figures, speedup_of
+from pipeline.core.artifacts import Row, TaskEntry
+from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided
+from pipeline.eval import gate, recovery
+from pipeline.report.recommend import recommend
+
+Draw = Callable[[np.random.Generator], str]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``draw`` gives one verdict; ``nominal``: verdict -> the highest rate it may have here
+    (a wrong verdict's claimed error rate); verdicts not named are not errors here."""
+
+    kind: str  # which verdict: speed, recommendation, gate-task, gate-suite, capacity
+    name: str
+    truth: str
+    draw: Draw
+    nominal: dict[str, float] = field(default_factory=dict)
+    fast: bool = True  # part of the fast subset (make test-fast)
+
+
+# --- speed -----------------------------------------------------------------------------------
+def _throughputs(rng: np.random.Generator, true: float, sd: float) -> tuple[float, float]:
+    """One repeat: the baseline's and a variant's output tok/s, each with its own noise."""
+    base = 100 * math.exp(rng.normal(0, sd / math.sqrt(2)))
+    return base, 100 * true * math.exp(rng.normal(0, sd / math.sqrt(2)))
+
+
+def speed_draw(true: float, sd: float, looks: Looks) -> Draw:
+    """A variant measured as bench measures it: repeats until decided (``decided``), then the
+    figure bench records (``_point``) read back as the report reads it (``speedup_of``)."""
+    def draw(rng: np.random.Generator) -> str:
+        base, var = [], []
+        while not decided(speed_ratios(var, base), looks):
+            b, v = _throughputs(rng, true, sd)
+            base.append({"output_throughput": b})
+            var.append({"output_throughput": v})
+        found = speedup_of(point_figures(var, base, looks))
+        assert found is not None
+        return found.verdict
+    return draw
+
+
+def _row(name: str, stats: dict[str, float]) -> Row:
+    return Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
+               weight_ratio=0.5, serving="ok", gate_status=gate.PASS, threshold=96.0,
+               headline=stats, comparable=True)
+
+
+def recommend_draw(k: int, true: float, sd: float, looks: Looks) -> Draw:
+    """k variants, none faster than ``true``, paired with one baseline run per repeat (shared,
+    as in an interleaved bench); each stops when its own speedup is decided, the baseline when
+    all are. The verdict: whether the speed objective recommends any of them."""
+    def draw(rng: np.random.Generator) -> str:
+        base: list[dict] = []
+        runs: list[list[dict]] = [[] for _ in range(k)]
+        while True:
+            open_ = [i for i in range(k) if not decided(speed_ratios(runs[i], base), looks)]
+            if not open_:
+                break
+            b = 100 * math.exp(rng.normal(0, sd / math.sqrt(2)))
+            base.append({"output_throughput": b})
+            for i in open_:
+                runs[i].append({"output_throughput": 100 * true * math.exp(
+                    rng.normal(0, sd / math.sqrt(2)))})
+        rows = [_row("baseline", {})] + [_row(f"v{i}", point_figures(runs[i], base, looks))
+                                         for i in range(k)]
+        best, _ = recommend(rows, "speed")
+        return "recommends one" if best else "recommends none"
+    return draw
+
+
+# --- the gate --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskTruth:
+    """A task's truth: items, the baseline's accuracy, the share of its right items the
+    variant loses and of its wrong items it gains, and the chance level."""
+
+    n: int
+    base: float
+    lose: float = 0.0
+    gain: float = 0.0
+    chance: float = 0.25
+
+    @property
+    def recovery_pct(self) -> float:
+        return (self.base * (1 - self.lose) + (1 - self.base) * self.gain) / self.base * 100
+
+    def draw(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        base = (rng.random(self.n) < self.base).astype(int)
+        flip = rng.random(self.n)
+        var = np.where(base == 1, (flip >= self.lose).astype(int), (flip < self.gain).astype(int))
+        return base, var
+
+
+def gate_draw(tasks: dict[str, TaskTruth], threshold: float, level: str) -> Draw:
+    """Paired scores drawn per task, their recoveries (``recovery.recovery``) judged by the
+    gate (``gate.judge``) as ``make gate`` judges an evaluation."""
+    def draw(rng: np.random.Generator) -> str:
+        entries = {}
+        for name, truth in tasks.items():
+            b, v = truth.draw(rng)
+            r = recovery.recovery(b, v, truth.chance)
+            entries[name] = TaskEntry(suite="app", backend="served", primary_metric="acc,none",
+                                      recovery={"acc,none": r.as_dict()})
+        return gate.judge(entries, "v", threshold, level).status
+    return draw
+
+
+# --- the capacity search ------------------------------------------------------------------
+def meet_probability(knee: float, width: float) -> Callable[[int], float]:
+    """P(a run meets the objective) at a load: a logistic fall around ``knee``."""
+    return lambda c: 1 / (1 + math.exp((c - knee) / width))
+
+
+def capacity_draw(p_meet: Callable[[int], float], ceiling: int, repeats: int,
+                  precision: float, truth: int) -> Draw:
+    """The search (``CapacitySearch``) with each run meeting the objective at random; the
+    verdict: whether the capacity it reports is above, at or below the truth."""
+    def draw(rng: np.random.Generator) -> str:
+        search = CapacitySearch(ceiling, repeats, precision)
+        while (run := search.next_run()) is not None:
+            search.record(run[0], bool(rng.random() < p_meet(run[0])))
+        found = search.result()["max_concurrency"]
+        return "overstated" if found > truth else ("at the truth" if found == truth
+                                                   else "understated")
+    return draw
+
+
+# --- the catalogue -----------------------------------------------------------------------------
+def catalogue(sd_repeat: float, looks: Looks, sd_label: str) -> list[Scenario]:
+    """Every scenario, at the per-repeat noise ``sd_repeat`` (the log ratio's spread)."""
+    wrong_faster = {FASTER: ALPHA}
+    out = [
+        Scenario("speed", f"true speedup 1.00, {sd_label}", "not faster, not slower",
+                 speed_draw(1.0, sd_repeat, looks), {FASTER: ALPHA, SLOWER: ALPHA}),
+        Scenario("speed", f"true speedup 0.97, {sd_label}", "slower",
+                 speed_draw(0.97, sd_repeat, looks), wrong_faster),
+        Scenario("speed", f"true speedup 1.05, {sd_label}", "faster",
+                 speed_draw(1.05, sd_repeat, looks), {SLOWER: ALPHA}),
+        Scenario("speed", f"true speedup 0.09 (FP8 on vLLM CPU), {sd_label}", "slower",
+                 speed_draw(0.09, sd_repeat, looks), wrong_faster, fast=True),
+    ]
+    for k in (1, 4, 8):
+        out.append(Scenario("recommendation", f"{k} variant(s), none faster (1.00), {sd_label}",
+                            "recommend none", recommend_draw(k, 1.0, sd_repeat, looks),
+                            {"recommends one": ALPHA}, fast=k == 4))
+    at_threshold = TaskTruth(286, 0.8, lose=0.04)  # 96.0% exactly
+    out += [
+        Scenario("gate-task", "a true loss exactly at the threshold (96.0%), 286 items",
+                 "not shown to clear 96%", gate_draw({"t": at_threshold}, 96, "task"),
+                 {gate.PASS: 0.025}),
+        Scenario("gate-suite", "three tasks each exactly at the threshold (96.0%)",
+                 "not shown to clear 96%", gate_draw({f"t{i}": TaskTruth(100, 0.8, lose=0.04)
+                                                      for i in range(3)}, 96, "suite"),
+                 {gate.PASS: 0.025}),
+        Scenario("gate-suite", "two tasks gain 3.75%, one (100 items) loses 7.5%: the worked "
+                 "case", "a task truly below 96%", gate_draw({
+                     "a": TaskTruth(300, 0.8, gain=0.15), "b": TaskTruth(300, 0.8, gain=0.15),
+                     "c": TaskTruth(100, 0.8, lose=0.075)}, 96, "suite"), {}),
+        Scenario("gate-suite", "three tasks at 100% with 1.5% of items flipping each way "
+                 "(the app suite's sizes)", "keeps 100%: passes 96% where n can show it",
+                 gate_draw({"facts": TaskTruth(95, 0.8, lose=0.015, gain=0.06),
+                            "grammar": TaskTruth(131, 0.8, lose=0.015, gain=0.06),
+                            "json": TaskTruth(60, 0.8, lose=0.015, gain=0.06)}, 96, "suite"),
+                 {gate.FAIL: 0.025}),
+        Scenario("gate-task", "a baseline near chance (0.27, chance 0.25), the variant at "
+                 "chance", "nothing to judge", gate_draw({"t": TaskTruth(
+                     286, 0.27, lose=0.074, chance=0.25)}, 96, "task"), {gate.PASS: 0.025}),
+    ]
+    for n in (40, 100, 286):
+        out.append(Scenario("gate-task", f"zero flips, {n} items (baseline 0.8)",
+                            "recovery 100%: passes 96% where n can show it",
+                            gate_draw({"t": TaskTruth(n, 0.8)}, 96, "task"), {gate.FAIL: 0.025},
+                            fast=n == 100))
+    knee = meet_probability(13.0, 1 / math.log(0.73 / 0.27))  # 0.73 at 12, 0.27 at 14
+    out.append(Scenario("capacity", "a smooth knee: P(meet) 0.73 at 12 users, 0.27 at 14",
+                        "13 users (P(meet) = 0.5)", capacity_draw(knee, 32, 3, 0.25, 13), {}))
+    return out

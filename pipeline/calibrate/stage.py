@@ -1,0 +1,147 @@
+"""``qpipe calibrate`` / ``make calibrate``: how often each of qpipe's verdicts is wrong, measured.
+
+Every scenario of :mod:`pipeline.calibrate.scenarios` is drawn ``runs`` times with one seeded
+generator; each verdict's share is its rate, with its Monte-Carlo error (two standard errors of
+a binomial share). A wrong verdict whose rate exceeds its nominal level by more than that error
+fails the command (exit 1) and the tests. The table goes to the terminal and, one row per
+scenario and verdict, to ``artifacts/calibration/calibration.json``.
+
+The per-repeat noise of the speed scenarios is this machine's own where a bench run measured
+it (the spread of its log speedup ratios), else the two levels seen on the project's machines.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from pipeline.calibrate.scenarios import Scenario, catalogue
+from pipeline.core import log as qlog
+from pipeline.core import paths, tracking
+from pipeline.core.artifacts import BenchSummary
+from pipeline.core.errors import QpipeError
+from pipeline.core.fsutil import write_json_atomic
+from pipeline.core.settings import StageSettings
+from pipeline.core.speedup import Looks
+
+log = qlog.get("calibrate")
+# the per-repeat spread of log speedup ratios seen on the project's 2-core machines (AVX-512:
+# int8 1.04-1.09 over 3 repeats; AVX2-only: 1.47-1.74), when this machine has measured none
+DEFAULT_NOISE = (0.03, 0.08)
+SWEEP_LOOKS = Looks.of(2, 8)  # the chat workload's: repeats 2, max_repeats 8
+
+
+class CalibrationFailed(QpipeError):
+    """A verdict is wrong more often than it claims."""
+
+    exit_code = 1
+
+
+class CalibrateSettings(StageSettings):
+    runs: int = Field(2000, ge=50, description="draws per scenario (the Monte-Carlo error "
+                      "shrinks as 1/sqrt(runs))", json_schema_extra={"make": "RUNS"})
+    seed: int = Field(2026, ge=0, description="the generator's seed: the table is reproducible")
+    fast: bool = Field(False, description="the fast subset (one scenario per verdict kind)",
+                       json_schema_extra={"make": "FAST=1"})
+    noise: float | None = Field(None, gt=0, description="per-repeat spread of the log speedup "
+                                "ratio (default: measured by this machine's newest bench run, "
+                                "else 0.03 and 0.08)")
+
+
+def measured_noise() -> tuple[float, str] | None:
+    """The spread of per-repeat log speedup ratios in the newest bench run of the embedded
+    baseline that has one, and where it came from."""
+    from pipeline.core.settings import DEFAULT_BASELINE
+
+    for path, summary in BenchSummary.all(DEFAULT_BASELINE):
+        logs: list[float] = []
+        for entry in summary.models.values():
+            for figures in entry.workloads.values():
+                for stats in figures.points.values():
+                    sd = stats.get(tracking.SPEEDUP_LOG_SD)
+                    if sd:
+                        logs.append(sd)
+        if logs:
+            return statistics.median(logs), f"bench run {path.parent.name}"
+    return None
+
+
+def noise_levels(settings: CalibrateSettings) -> list[tuple[float, str]]:
+    if settings.noise is not None:
+        return [(settings.noise, f"per-repeat noise {settings.noise:g} (given)")]
+    found = measured_noise()
+    if found is not None:
+        return [(found[0], f"per-repeat noise {found[0]:.3f} (measured: {found[1]})")]
+    return [(sd, f"per-repeat noise {sd:g}") for sd in DEFAULT_NOISE]
+
+
+def simulate(scenario: Scenario, runs: int, rng: np.random.Generator) -> dict[str, float]:
+    """verdict -> its share over ``runs`` draws."""
+    counts: dict[str, int] = {}
+    for _ in range(runs):
+        verdict = scenario.draw(rng)
+        counts[verdict] = counts.get(verdict, 0) + 1
+    return {v: c / runs for v, c in sorted(counts.items())}
+
+
+def mc_error(rate: float, runs: int) -> float:
+    """Two standard errors of a share (at least that of one draw in ``runs``)."""
+    p = min(max(rate, 1 / runs), 1 - 1 / runs)
+    return 2 * math.sqrt(p * (1 - p) / runs)
+
+
+def rows_for(scenario: Scenario, rates: dict[str, float], runs: int) -> list[dict[str, Any]]:
+    """One row per verdict seen (and per wrong verdict with a nominal, seen or not)."""
+    out = []
+    for verdict in sorted(set(rates) | set(scenario.nominal)):
+        rate = rates.get(verdict, 0.0)
+        nominal = scenario.nominal.get(verdict)
+        error = mc_error(rate, runs)
+        out.append({"kind": scenario.kind, "scenario": scenario.name, "truth": scenario.truth,
+                    "verdict": verdict, "rate": rate, "nominal": nominal, "mc_error": error,
+                    "runs": runs, "within": nominal is None or rate <= nominal + error})
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'verdict kind':15s} {'scenario':62s} {'verdict':18s} {'rate':>7s} "
+             f"{'nominal':>8s} {'+-MC':>6s}"]
+    for r in rows:
+        nominal = f"<= {r['nominal']:.1%}" if r["nominal"] is not None else ""
+        flag = "" if r["within"] else "  ABOVE NOMINAL"
+        lines.append(f"{r['kind']:15s} {r['scenario'][:62]:62s} {r['verdict'][:18]:18s} "
+                     f"{r['rate']:7.1%} {nominal:>8s} {r['mc_error']:6.1%}{flag}")
+    return "\n".join(lines)
+
+
+def calibrate(settings: CalibrateSettings) -> list[dict[str, Any]]:
+    """Every scenario's verdict rates (the fast subset with ``fast``)."""
+    rng = np.random.default_rng(settings.seed)
+    rows: list[dict[str, Any]] = []
+    for sd, label in noise_levels(settings):
+        for scenario in catalogue(sd, SWEEP_LOOKS, label):
+            if settings.fast and not scenario.fast:
+                continue
+            if rows and scenario.kind not in ("speed", "recommendation") and any(
+                    r["scenario"] == scenario.name for r in rows):
+                continue  # the noise level only changes the speed scenarios
+            rows += rows_for(scenario, simulate(scenario, settings.runs, rng), settings.runs)
+    return rows
+
+
+def run(settings: CalibrateSettings) -> list[dict[str, Any]]:
+    rows = calibrate(settings)
+    print(table(rows))
+    out = paths.artifacts_dir() / "calibration" / "calibration.json"
+    write_json_atomic(out, {"seed": settings.seed, "runs": settings.runs, "rows": rows})
+    log.info(f"written: {paths.shown(out)}")
+    above = [r for r in rows if not r["within"]]
+    if above:
+        raise CalibrationFailed("a verdict is wrong more often than it claims: " + "; ".join(
+            f"{r['scenario']}: '{r['verdict']}' {r['rate']:.1%} > {r['nominal']:.1%} + "
+            f"{r['mc_error']:.1%}" for r in above))
+    return rows
