@@ -137,12 +137,14 @@ all: $(PIPELINE_STAMP) $(SERVE_STAMP) $(if $(filter ray,$(EXECUTOR)),$(RAY_STAMP
 	  $(ENGINE_OPTS) $(SLO_OPTS) $(COST_OPTS) \
 	  $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \
 	  $(call opt,--calib-data,$(CALIB_DATA)) $(call opt,--executor,$(EXECUTOR)) \
+	  $(call opt,--threshold,$(THRESHOLD)) \
 	  $(call opt,--ray-address,$(RAY_ADDRESS)) $(if $(RAY_RESOURCES),--ray-resources '$(RAY_RESOURCES)')
 
 compare: $(PIPELINE_STAMP) ## rebuild the comparison, report and MLflow campaign run from what is measured
 	@$(QPIPE) compare --baseline $(BASELINE) --campaign $(CAMPAIGN) \
 	  $(foreach r,$(RECIPE),--recipe $(r)) $(call opt,--gpu,$(PLAN_GPU)) \
-	  $(call opt,--context,$(PLAN_CONTEXT)) $(call opt,--objective,$(OBJECTIVE)) $(COST_OPTS)
+	  $(call opt,--context,$(PLAN_CONTEXT)) $(call opt,--objective,$(OBJECTIVE)) $(COST_OPTS) \
+	  $(call opt,--threshold,$(THRESHOLD))
 
 setup: $(PIPELINE_STAMP) $(SERVE_STAMP) ## create both environments (pipeline and vLLM serving)
 

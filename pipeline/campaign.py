@@ -76,6 +76,9 @@ class CampaignSettings(StageSettings):
                                          "make": "SLO_ITL_MS"})
     cost: CostOverrides = Field(default_factory=CostOverrides,
                                 json_schema_extra={"nested": True})
+    threshold: float | None = Field(None, gt=0, le=1000, description="override the campaign's "
+                                    "gate threshold (percent; default: the campaign file's, else "
+                                    "each recipe's)", json_schema_extra={"make": "THRESHOLD"})
     gpu: str | None = Field(None, description="accelerator preset the planner places each "
                             "variant on", json_schema_extra={"make": "PLAN_GPU"})
     context: int | None = Field(None, ge=1, description="tokens per request for planned "
@@ -107,7 +110,8 @@ class CampaignSettings(StageSettings):
         file = campaigns.load(self.campaign)
         overrides = {k: v for k, v in (("recipes", self.recipes), ("workloads", self.workloads),
                                        ("suites", self.suites), ("repeats", self.repeats),
-                                       ("limit", self.limit), ("objective", self.objective))
+                                       ("limit", self.limit), ("objective", self.objective),
+                                       ("threshold", self.threshold))
                      if v}
         plan = file.plan.model_copy(update={k: v for k, v in (("gpu", self.gpu),
                                                                ("context", self.context)) if v})
@@ -223,7 +227,8 @@ def run(settings: CampaignSettings) -> Comparison:
     clock.next("compare")
     comparison, _ = report.compare_and_log(base, list(left), file.plan, file.name,
                                            settings.track, failures, file.objective,
-                                           file.cost, per_variant=settings.executor == "ray")
+                                           file.cost, per_variant=settings.executor == "ray",
+                                           threshold=file.threshold)
     if comparison.failures:
         raise CampaignIncomplete(
             f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "

@@ -163,10 +163,12 @@ class _Stages:
 
         def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
                     failures: list[dict[str, str]], objective: str,
-                    cost: object, per_variant: bool = False) -> tuple[object, list]:
+                    cost: object, per_variant: bool = False,
+                    threshold: float | None = None) -> tuple[object, list]:
             self.calls["compare"] = recipes
             self.calls["per_variant"] = per_variant
             self.calls["cost"] = cost
+            self.calls["threshold"] = threshold
             return Comparison(baseline="tiny", rows=[], workload="", load_point=None,
                               plan_target=PlanTarget(), recommendation=None, reason="",
                               failures=failures), []

@@ -309,3 +309,13 @@ def test_a_mixed_precision_variant_is_planned_from_its_measured_bytes():
     assert mix["planned_kv_budget_bytes"] - dense["planned_kv_budget_bytes"] == pytest.approx(
         dense["planned_weight_bytes"] * 0.55, abs=2)
     assert any("mixed precision" in n for n in rows["mix"].notes)
+
+
+def test_a_campaigns_threshold_is_said_wherever_the_verdict_is() -> None:
+    row = _row("int8", 1.5, gate.PASS)
+    row.threshold, row.threshold_from = 95.0, "campaign"
+    best, reason = recommend([_baseline(), row])
+    assert best == "int8" and "(threshold 95%, the campaign's)" in reason
+    settings = campaign.CampaignSettings(threshold=95)
+    assert settings.file().threshold == 95
+    assert campaigns.load("default").threshold is not None  # the demonstration's, said in it

@@ -362,6 +362,7 @@ class Row(BaseModel):
     # basis (the searched recipe, or the sensitivity table with every unit in one format)
     search: dict[str, Any] = Field(default_factory=dict)
     threshold: float | None = None
+    threshold_from: str = ""  # whose threshold: the recipe's, or a campaign's (said so)
     gate_status: str = NOT_EVALUATED
     gate_reason: str = ""
     notes: list[str] = Field(default_factory=list)

@@ -32,6 +32,9 @@ class CampaignFile(BaseModel):
     backend: Literal["auto", "served", "hf"] = "auto"
     divergence: bool = True
     objective: ObjectiveName = "speed"
+    # the gate threshold of every variant in this campaign, instead of each recipe's own
+    # recovery_threshold_pct (said wherever a verdict is shown); None: the recipes'
+    threshold: float | None = Field(None, gt=0, le=1000)
     plan: PlanTarget = Field(default_factory=PlanTarget)
     cost: CostTarget = Field(default_factory=CostTarget)
 

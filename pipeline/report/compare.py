@@ -250,7 +250,8 @@ def price(target: CostTarget, prof: Profile) -> dict[str, Any]:
 
 
 # --- eval ---------------------------------------------------------------------------------------
-def _apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity: str) -> None:
+def _apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity: str,
+                threshold: float | None = None) -> None:
     """The variant's current task results (this checkpoint, baseline and task files), its
     suite figures and the gate's verdict on them; stale results are named, never used."""
     entries, stale = gate.current_tasks(summary, identity, base.identity)
@@ -261,7 +262,13 @@ def _apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity
     div = summary.divergence or {}
     if div.get("identity") == identity:
         row.divergence = {k: v for k, v in div.items() if isinstance(v, (int, float))}
-    row.threshold = gate.threshold_of(row.recipe, variant_dir(base.name, row.recipe))
+    own = gate.threshold_of(row.recipe, variant_dir(base.name, row.recipe))
+    row.threshold = threshold if threshold is not None else own
+    row.threshold_from = "recipe" if threshold is None else "campaign"
+    if threshold is not None and threshold != own:
+        row.notes.append(f"gate threshold {threshold:g}%: the campaign's, instead of recipe "
+                         f"{row.recipe}'s own {own:g}% (THRESHOLD= or the campaign file's "
+                         "threshold:)")
     verdict = gate.judge(entries, row.recipe, row.threshold, stale=stale)
     row.gate_status, row.gate_reason = verdict.status, verdict.reason()
     if stale:
@@ -323,7 +330,8 @@ def _rows(base: BaselineLike, recipes: list[str] | None) -> tuple[list[Row], dic
 def collect(base: BaselineLike, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
             failures: list[dict[str, str]] | None = None, objective: str = "speed",
-            cost_target: CostTarget | None = None, per_variant: bool = False) -> Comparison:
+            cost_target: CostTarget | None = None, per_variant: bool = False,
+            threshold: float | None = None) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
     campaign's failed stages (e.g. a recipe that did not quantize), shown beside the rows.
     ``per_variant``: each variant was benched beside its own baseline server (a campaign on
@@ -391,7 +399,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             failed.append({"variant": row.name, "stage": "eval", "reason": eval_failed.reason,
                            "log": ""})
         elif evaluated is not None:
-            _apply_eval(row, evaluated, base, identities[row.name])
+            _apply_eval(row, evaluated, base, identities[row.name], threshold)
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
     cost_target = cost_target or CostTarget()
     priced = price(cost_target, prof)

@@ -112,7 +112,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         reason += (f", ${best.cost[USD_PER_MTOK]:.2f} per million output tokens at "
                    f"{best.capacity[tracking.SLO_MAX_CONCURRENCY]} concurrent requests within the "
                    "latency objective (measured)")
-    reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%)"
+    whose = ", the campaign's" if best.threshold_from == "campaign" else ""
+    reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%{whose})"
     if best.eval_backend == EMULATED:
         reason += " [accuracy emulated]"
     return best.name, reason

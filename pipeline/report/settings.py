@@ -50,6 +50,9 @@ class CompareSettings(StageSettings):
         "objective", json_schema_extra={"make": "OBJECTIVE"})
     cost: CostOverrides = Field(default_factory=CostOverrides,
                                 json_schema_extra={"nested": True})
+    threshold: float | None = Field(None, gt=0, le=1000, description="the gate threshold of "
+                                    "every variant (percent), instead of the campaign file's or "
+                                    "each recipe's", json_schema_extra={"make": "THRESHOLD"})
     track: bool = Field(True, description="log the comparison to MLflow",
                         json_schema_extra={"negative": "--no-track",
                                            "negative_help": "do not log to MLflow"})

@@ -19,11 +19,11 @@ log = qlog.get("compare")
 def compare_and_log(base: BaselineLike, recipes: list[str] | None, target: PlanTarget,
                     campaign: str = "compare", track: bool = True,
                     failures: list[dict[str, str]] | None = None, objective: str = "speed",
-                    cost_target: CostTarget | None = None, per_variant: bool = False
-                    ) -> tuple[Comparison, list[Path]]:
+                    cost_target: CostTarget | None = None, per_variant: bool = False,
+                    threshold: float | None = None) -> tuple[Comparison, list[Path]]:
     """Join, write ``artifacts/reports/<baseline>/`` and log the parent and child runs."""
     comparison = compare.collect(base, recipes, target, failures, objective, cost_target,
-                                 per_variant)
+                                 per_variant, threshold)
     meta = run_meta(comparison, campaign)
     comparison = comparison.model_copy(update={"meta": meta})
     out = Comparison.directory(base.name)
@@ -54,5 +54,6 @@ def run(settings: CompareSettings) -> Comparison:
     comparison, _ = compare_and_log(resolve(settings.baseline), list(settings.recipes) or None,
                                     plan_target(settings, file), "compare", settings.track,
                                     objective=settings.objective or file.objective,
-                                    cost_target=settings.cost.apply(file.cost))
+                                    cost_target=settings.cost.apply(file.cost),
+                                    threshold=settings.threshold or file.threshold)
     return comparison
