@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.calibrate import stage
 from pipeline.calibrate.scenarios import Scenario, catalogue
-from pipeline.core.speedup import FASTER, Looks
+from pipeline.core.speedup import FASTER, Looks, decided
 from tests.conftest import run_cli
 
 
@@ -76,7 +76,9 @@ def test_a_clear_case_is_decided_in_two_repeats_and_noise_takes_the_cap() -> Non
     from pipeline.core.speedup import speedup
 
     assert speedup([0.09, 0.092], looks).n == 2  # decided at the first look
-    same = speedup([1.01, 0.99, 1.02, 0.98, 1.03, 0.97, 1.0, 1.01], looks)
-    assert same.verdict == "within +-5%" and same.n == 6  # decided before the cap
+    ratios = [1.01, 0.99, 1.02, 0.98, 1.03, 0.97, 1.0, 1.01]
+    stop = next(n for n in range(1, 9) if decided(ratios[:n], looks))  # as the loop stops
+    same = speedup(ratios[:stop], looks)
+    assert same.verdict == "within +-5%" and same.n == stop == 6  # decided before the cap
     noisy = speedup([1.1, 0.9, 1.08, 0.93, 1.05, 0.95, 1.0, 1.02], looks)
     assert noisy.n == 8 and noisy.verdict == "inconclusive"  # the cap: "inconclusive at n = 8"

@@ -23,7 +23,7 @@ from pipeline.bench.workloads import Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
 from pipeline.core.provenance import vllm_version
-from pipeline.core.speedup import decided
+from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
 from pipeline.plan import capacity
 from pipeline.plan.architecture import checkpoint_kv_dtype
@@ -283,9 +283,9 @@ def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
                       records: dict[str, ModelRecord], steps: list[Step], out: Path,
                       pool: ServerPool | None) -> None:
     """Past the fixed repeats, each speed sweep's load point is repeated for the baseline and
-    the variants whose speedup there is still undecided, up to the workload's cap (the
-    sequential rule of :mod:`pipeline.core.speedup`: stopping when decided keeps its error
-    rate)."""
+    the variants whose speedup there is still undecided (or faster, but not yet after Holm's
+    correction over the variants), up to the workload's cap (the sequential rule of
+    :mod:`pipeline.core.speedup`: stopping when decided keeps its error rate)."""
     points: dict[tuple[str, int], Step] = {}
     for step in steps:
         if step.workload.slo is None and not step.caching:
@@ -296,14 +296,15 @@ def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
         repeat = last.repeat + 1
         while repeat < cap and BASELINE in live:
             base = records[BASELINE].runs.get(key, {}).get(concurrency, [])
-            undecided = [name for name in live if name != BASELINE and last.runs_on(name)
-                         and not decided(speed_ratios(records[name].runs.get(key, {}).get(
-                             concurrency, []), base), looks)]
-            if not undecided:
+            ratios = {name: speed_ratios(records[name].runs.get(key, {}).get(concurrency, []),
+                                         base)
+                      for name in live if name != BASELINE and last.runs_on(name)}
+            pending = undecided(ratios, looks)
+            if not pending:
                 break
             step = Step(last.workload, key, repeat, concurrency, caching=False)
             _run_step(client, live, records, step, out, pool,
-                      f"undecided ({', '.join(undecided)}):", [BASELINE, *undecided])
+                      f"undecided ({', '.join(pending)}):", [BASELINE, *pending])
             repeat += 1
 
 

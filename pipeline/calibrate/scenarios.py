@@ -21,7 +21,7 @@ from pipeline.bench.measure import speed_ratios
 from pipeline.bench.slo import CapacitySearch
 from pipeline.bench.summary import point_figures, speedup_of
 from pipeline.core.artifacts import Row, TaskEntry
-from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided
+from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided, undecided
 from pipeline.eval import gate, recovery
 from pipeline.report.recommend import recommend
 
@@ -71,13 +71,14 @@ def _row(name: str, stats: dict[str, float]) -> Row:
 
 def recommend_draw(k: int, true: float, sd: float, looks: Looks) -> Draw:
     """k variants, none faster than ``true``, paired with one baseline run per repeat (shared,
-    as in an interleaved bench); each stops when its own speedup is decided, the baseline when
-    all are. The verdict: whether the speed objective recommends any of them."""
+    as in an interleaved bench); each repeats while bench's rule (``undecided``) says so, the
+    baseline while any does. The verdict: whether the speed objective recommends any."""
     def draw(rng: np.random.Generator) -> str:
         base: list[dict] = []
         runs: list[list[dict]] = [[] for _ in range(k)]
-        while True:
-            open_ = [i for i in range(k) if not decided(speed_ratios(runs[i], base), looks)]
+        while True:  # as bench repeats a load point: the same undecided() rule
+            open_ = [int(n) for n in undecided({str(i): speed_ratios(runs[i], base)
+                                                 for i in range(k)}, looks)]
             if not open_:
                 break
             b = 100 * math.exp(rng.normal(0, sd / math.sqrt(2)))

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
+from pipeline.bench import workloads
 from pipeline.calibrate.scenarios import Scenario, catalogue
 from pipeline.core import log as qlog
 from pipeline.core import paths, tracking
@@ -26,13 +27,11 @@ from pipeline.core.artifacts import BenchSummary
 from pipeline.core.errors import QpipeError
 from pipeline.core.fsutil import write_json_atomic
 from pipeline.core.settings import StageSettings
-from pipeline.core.speedup import Looks
 
 log = qlog.get("calibrate")
 # the per-repeat spread of log speedup ratios seen on the project's 2-core machines (AVX-512:
 # int8 1.04-1.09 over 3 repeats; AVX2-only: 1.47-1.74), when this machine has measured none
 DEFAULT_NOISE = (0.03, 0.08)
-SWEEP_LOOKS = Looks.of(2, 8)  # the chat workload's: repeats 2, max_repeats 8
 
 
 class CalibrationFailed(QpipeError):
@@ -121,9 +120,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 def calibrate(settings: CalibrateSettings) -> list[dict[str, Any]]:
     """Every scenario's verdict rates (the fast subset with ``fast``)."""
     rng = np.random.default_rng(settings.seed)
+    looks = workloads.load("chat").looks("cpu")  # the default speed sweep's looks
     rows: list[dict[str, Any]] = []
     for sd, label in noise_levels(settings):
-        for scenario in catalogue(sd, SWEEP_LOOKS, label):
+        for scenario in catalogue(sd, looks, label):
             if settings.fast and not scenario.fast:
                 continue
             if rows and scenario.kind not in ("speed", "recommendation") and any(

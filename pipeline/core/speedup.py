@@ -115,25 +115,26 @@ def _look(logs: Sequence[float], alpha: float) -> tuple[float, float, float]:
 
 
 def speedup(ratios: Sequence[float], looks: Looks, alpha: float = ALPHA) -> Speedup:
-    """The verdict on the ratios in repeat order: the first look that decides, else the last.
-    The measurement loop stops at that look, so it is also why no more repeats were run."""
+    """The verdict on the ratios in repeat order, at the last look they reach (the measurement
+    loop stops at the first look that settles it, so that is the look reported); the
+    p-value of "faster" is the smallest over every look so far, each over its share of
+    ``alpha`` (valid however the loop chose to stop)."""
     if not ratios or any(r <= 0 for r in ratios):
         raise ValueError(f"speedup ratios must be positive, got {list(ratios)}")
     logs = [math.log(r) for r in ratios]
-    p_faster, shown = 1.0, None
-    for n in range(looks.first, min(len(logs), looks.last) + 1):
-        spend = alpha * looks.share(n)
-        low, high, p = _look(logs[:n], spend)
-        p_faster = min(p_faster, min(1.0, p / looks.share(n)))
-        shown = (math.exp(low), math.exp(high), n, 1 - 2 * spend)
-        if verdict_of(shown[0], shown[1]) != INCONCLUSIVE:
-            break
-    if shown is None:
-        point = math.exp(sum(logs) / len(logs))
-        return Speedup(point, None, None, len(logs), 0.0, INCONCLUSIVE, 1.0)
-    low, high, n, level = shown
-    return Speedup(math.exp(sum(logs[:n]) / n), low, high, n, level, verdict_of(low, high),
-                   p_faster)
+    n = min(len(logs), looks.last)
+    if n < looks.first:
+        return Speedup(math.exp(sum(logs) / len(logs)), None, None, len(logs), 0.0,
+                       INCONCLUSIVE, 1.0)
+    p_faster = 1.0
+    for k in range(looks.first, n + 1):
+        _, _, p = _look(logs[:k], alpha * looks.share(k))
+        p_faster = min(p_faster, min(1.0, p / looks.share(k)))
+    spend = alpha * looks.share(n)
+    low, high, _ = _look(logs[:n], spend)
+    low, high = math.exp(low), math.exp(high)
+    return Speedup(math.exp(sum(logs[:n]) / n), low, high, n, 1 - 2 * spend,
+                   verdict_of(low, high), p_faster)
 
 
 def decided(ratios: Sequence[float], looks: Looks) -> bool:
@@ -141,6 +142,23 @@ def decided(ratios: Sequence[float], looks: Looks) -> bool:
     if len(ratios) >= looks.last:
         return True
     return len(ratios) >= looks.first and speedup(ratios, looks).verdict != INCONCLUSIVE
+
+
+def undecided(ratios: Mapping[str, Sequence[float]], looks: Looks) -> list[str]:
+    """The variants (of one load point, each with its ratios so far) that need another repeat:
+    not yet decided, or "faster" but not yet after Holm's correction over all of them (a
+    recommendation needs the family's evidence, so the loop gathers it). Every p-value stays
+    valid however long a variant runs: it is a bound over all the looks up to the cap."""
+    found = {name: speedup(r, looks) for name, r in ratios.items() if len(r) >= looks.first}
+    family = holm({name: s.p_faster for name, s in found.items()})
+    out = []
+    for name, r in ratios.items():
+        if len(r) >= looks.last:
+            continue
+        verdict = found[name].verdict if name in found else INCONCLUSIVE
+        if verdict == INCONCLUSIVE or (verdict == FASTER and name not in family):
+            out.append(name)
+    return out
 
 
 def holm(p_values: Mapping[str, float], alpha: float = ALPHA) -> set[str]:
