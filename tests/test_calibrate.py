@@ -82,3 +82,22 @@ def test_a_clear_case_is_decided_in_two_repeats_and_noise_takes_the_cap() -> Non
     assert same.verdict == "within +-5%" and same.n == stop == 6  # decided before the cap
     noisy = speedup([1.1, 0.9, 1.08, 0.93, 1.05, 0.95, 1.0, 1.02], looks)
     assert noisy.n == 8 and noisy.verdict == "inconclusive"  # the cap: "inconclusive at n = 8"
+
+
+def test_the_noise_is_this_machines_own_once_a_bench_run_measured_it(workspace: Path) -> None:
+    from pipeline.core import tracking
+    from pipeline.core.artifacts import BenchSummary, ModelBench, WorkloadFigures
+
+    assert stage.measured_noise() is None  # nothing measured: the two project levels
+    assert [sd for sd, _ in stage.noise_levels(stage.CalibrateSettings())] == list(
+        stage.DEFAULT_NOISE)
+    sweep = WorkloadFigures(points={1: {tracking.SPEEDUP_LOG_SD: 0.04},
+                                    4: {tracking.SPEEDUP_LOG_SD: 0.06}})
+    search = WorkloadFigures(points={2: {tracking.SPEEDUP_LOG_SD: 0.9}}, capacity={"x": 1})
+    summary = BenchSummary(baseline="B", target="cpu", key="k1", models={
+        "int8": ModelBench(recipe="int8", status="ok", identity="i", format="f",
+                           workloads={"chat": sweep, "capacity": search})})
+    summary.write(BenchSummary.path("B", "k1"))
+    sd, where = stage.measured_noise()
+    assert sd == pytest.approx(0.05) and "k1" in where  # the sweeps' points, not the search's
+    assert stage.noise_levels(stage.CalibrateSettings())[0][0] == pytest.approx(0.05)

@@ -52,20 +52,20 @@ class CalibrateSettings(StageSettings):
 
 
 def measured_noise() -> tuple[float, str] | None:
-    """The spread of per-repeat log speedup ratios in the newest bench run of the embedded
-    baseline that has one, and where it came from."""
-    from pipeline.core.settings import DEFAULT_BASELINE
-
-    for path, summary in BenchSummary.all(DEFAULT_BASELINE):
-        logs: list[float] = []
-        for entry in summary.models.values():
-            for figures in entry.workloads.values():
-                for stats in figures.points.values():
-                    sd = stats.get(tracking.SPEEDUP_LOG_SD)
-                    if sd:
-                        logs.append(sd)
-        if logs:
-            return statistics.median(logs), f"bench run {path.parent.name}"
+    """The median spread of per-repeat log speedup ratios over the speed sweeps' load points of
+    the newest bench run on this machine's artifacts that has any, and which run it was."""
+    runs = sorted((p for p in (paths.artifacts_dir() / BenchSummary.DIR).glob(
+        f"*/*/{BenchSummary.FILE}") if not p.parent.name.startswith(".")),
+        key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in runs:
+        summary = BenchSummary.read(path)
+        if summary is None:
+            continue
+        spreads = [stats[tracking.SPEEDUP_LOG_SD] for entry in summary.models.values()
+                   for figures in entry.workloads.values() if figures.capacity is None
+                   for stats in figures.points.values() if stats.get(tracking.SPEEDUP_LOG_SD)]
+        if spreads:
+            return statistics.median(spreads), f"bench run {path.parent.name}"
     return None
 
 
