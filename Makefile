@@ -114,6 +114,7 @@ help: ## list the targets
 	@echo "             EXECUTOR=ray RAY_ADDRESS RAY_RESOURCES (make all on a Ray cluster)"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
+	@echo "             RUNS FAST=1 (calibrate: draws per scenario, the fast subset)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
 	@scripts/setup.sh pipeline

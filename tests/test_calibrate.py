@@ -30,7 +30,7 @@ def test_the_fast_subset_of_verdicts_is_within_its_nominal_error_rates() -> None
 
 @pytest.mark.slow
 def test_every_verdict_is_within_its_nominal_error_rate(workspace: Path) -> None:
-    result = run_cli("calibrate", "--runs", "2000", timeout=1800)
+    result = run_cli("calibrate", "--runs", "1000", timeout=1800)  # make calibrate: 2000
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((workspace / "artifacts" / "calibration" / "calibration.json").read_text())
     rows = data["rows"]
