@@ -319,3 +319,13 @@ def test_a_campaigns_threshold_is_said_wherever_the_verdict_is() -> None:
     settings = campaign.CampaignSettings(threshold=95)
     assert settings.file().threshold == 95
     assert campaigns.load("default").threshold is not None  # the demonstration's, said in it
+
+
+def test_the_reference_the_speedups_are_against_is_named_in_the_table() -> None:
+    comparison = _comparison([_baseline(), _row("int8", 0.5, gate.PASS)])
+    comparison = comparison.model_copy(update={"measurement": {
+        "run": "bench k", "pairing": "interleaved", "reference_dtype": "float32",
+        "reference": "the baseline served in float32 (2.38x its bfloat16 throughput here)"}})
+    text = report.terminal(comparison)
+    assert "bf16 (bf16, served in float32)" in text
+    assert "reference: the baseline served in float32" in text

@@ -354,7 +354,8 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                        "hardware": ref.hardware.get("summary", "unknown"),
                        "pairing": ref.speedup_pairing,
                        "reference": (f"the baseline served in {ref.reference['dtype']} ("
-                                     f"{ref.reference['why']})") if ref.reference else ""}
+                                     f"{ref.reference['why']})") if ref.reference else "",
+                       "reference_dtype": ref.reference.get("dtype", "")}
     failed = list(failures or [])
     tables = _tables(base)
     for row in rows:

@@ -108,8 +108,11 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         run = row.measurement.split(" ")[1][:8] if row.measurement else ""
         speed = f"{served} (bench {run})" if run else served
         origin = speed if row.name == BASELINE else f"speed {speed}, accuracy {row.figures_from}"
+        served_as = comparison.measurement.get("reference_dtype", "")
+        reference = f", served in {served_as}" if row.name == BASELINE and served_as not in (
+            "", "bfloat16") else ""
         cells.append([
-            row.name, f"{row.precision} ({row.scheme})"
+            row.name, f"{row.precision} ({row.scheme}{reference})"
             + (f" + {row.kv_dtype} KV" if row.kv_dtype != "bf16" else ""),
             f"{row.weight_bytes / 1e6:,.1f} MB ({row.weight_ratio:.2f})",
             _num(row.kv.get(tracking.KV_CACHE_TOKENS), "{:,.0f}"),
