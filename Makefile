@@ -214,7 +214,7 @@ ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-
 test: $(PIPELINE_STAMP) $(SERVE_STAMP) $(RAY_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 2 minutes): no model, no server, no service
+test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 3 minutes): no model, no server, no service
 	@$(VENV)/bin/python -m pytest -m "not slow and not serve and not embedded and not services" $(PYTEST_ARGS)
 
 lint: $(PIPELINE_STAMP) ## ruff, and the layer contract (no stage imports one above it)

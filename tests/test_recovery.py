@@ -174,7 +174,7 @@ def _lower_end_above_truth(n: int, base_p: float, truth: float) -> float:
     return total
 
 
-@pytest.mark.parametrize("n", [40, 100, 286])
+@pytest.mark.parametrize("n", [40, 100, pytest.param(286, marks=pytest.mark.slow)])
 def test_the_lower_end_is_above_the_true_recovery_at_most_its_nominal_share(n: int) -> None:
     """A pass is claimed at 97.5% one-sided: the lower end may lie above the truth at most
     2.5% of the time, at every baseline score and true recovery (Newcombe's paired-difference
