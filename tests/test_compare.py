@@ -161,6 +161,19 @@ def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None
     assert compare.reference_run([], identities, "cpu-x") is None
 
 
+def test_a_run_from_other_hardware_is_never_comparable_even_beside_its_own_baseline() -> None:
+    here = _summary({"baseline": "B", "int8": "E"}, "cpu-x")
+    gpu = _summary({"baseline": "B", "int8": "E"}, "cuda-h100")
+    gpu.hardware["summary"] = "NVIDIA H100"
+    assert compare.compared_as(here, True, "B", "cpu-x", False) == compare.REFERENCE
+    assert compare.compared_as(here, False, "B", "cpu-x", True) == compare.PAIRED
+    why = compare.compared_as(gpu, False, "B", "cpu-x", True)
+    assert why.startswith("measured on other hardware (NVIDIA H100)")
+    assert "another baseline run" in compare.compared_as(here, False, "B", "cpu-x", False)
+    # the reference's own hardware is what counts, not the machine running the comparison
+    assert compare.compared_as(gpu, False, "B", "cuda-h100", True) == compare.PAIRED
+
+
 def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() -> None:
     """`make bench WORKLOAD=capacity` after a campaign: it covers every variant too, but has no
     load point to compare speed at; the campaign's sweep stays the reference."""
@@ -176,13 +189,15 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
         points={12: {"ttft_ms_p99": 480.0, "output_tokens_per_s": 216.0}},
         capacity={"slo_max_concurrency": 12, "bounds": {"ttft_ms_p99": 500.0}})}
     row = _row("int8", 1.2, gate.PASS)
-    compare._newest_capacity(row, "E", [search, sweep], "cpu-x")
+    prices: dict = {}
+    compare._newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
+    assert prices["int8"]["example"] and prices["int8"]["price_per_hour"] == 0.10
     assert row.capacity["slo_max_concurrency"] == 12
     assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
     assert row.notes == ["capacity at the objective from bench search (2026-11-30T21:51:10"
                          "+00:00)"]
     other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
-    compare._newest_capacity(other, "E", [search, sweep], "cuda-h100")
+    compare._newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
     assert other.capacity == {} and other.notes == []
 
 

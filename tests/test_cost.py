@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core import tracking
+from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import CostTarget, Row
 from pipeline.core.hardware import Gpu, Profile
-from pipeline.report import compare, cost, crossover
+from pipeline.report import cost, crossover
 
 
 def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = None) -> Row:
@@ -47,17 +47,47 @@ def test_no_capacity_at_the_objective_means_no_cost():
                             weight_bytes=1, weight_ratio=1.0), 3.0, CostTarget()) == {}
 
 
-def test_the_price_is_the_override_then_the_gpu_preset_then_the_host_figure():
-    facts = {"machine": "x86_64", "cpu_model": "x", "cores": 2, "cpu_flags": (),
-             "vllm_cpu_isa": "native", "vllm": "0.32"}
-    cpu = Profile(target="cpu", **facts)
-    h100 = Profile(target="cuda", **facts,
-                   gpus=(Gpu(name="NVIDIA H100 80GB HBM3", memory_mib=81559,
-                             compute_capability="9.0"),) * 2)
-    assert compare.price(CostTarget(price_per_hour=7.0), h100)["price_per_hour"] == 7.0
-    priced = compare.price(CostTarget(), h100)
-    assert priced["price_per_hour"] == 6.0 and "2 x h100-80gb" in priced["source"]
-    assert compare.price(CostTarget(host_price_per_hour=0.2), cpu)["price_per_hour"] == 0.2
+FACTS = {"machine": "x86_64", "cpu_model": "x", "cores": 2, "cpu_flags": (),
+         "vllm_cpu_isa": "native", "vllm": "0.32"}
+H100 = Gpu(name="NVIDIA H100 80GB HBM3", memory_mib=81559, compute_capability="9.0")
+
+
+def test_an_eight_gpu_hosts_tp1_run_is_priced_as_one_gpu_and_tp4_as_four():
+    node = Profile(target="cuda", **FACTS, gpus=(H100,) * 8)
+    one = hardware.serving_devices(node, 1, 1)
+    assert one["count"] == 1 and one["host_gpus"] == 8 and not one["mig"]
+    priced = cost.price_of(CostTarget(), one)
+    assert priced["price_per_hour"] == 3.0 and priced["example"]
+    assert "1 x h100-80gb's example price_per_hour" in priced["source"]
+    assert cost.price_of(CostTarget(), hardware.serving_devices(node, 2, 2))[
+        "price_per_hour"] == 12.0
+    # the user's own price is theirs, not an example; a CPU host gets the host figure
+    assert cost.price_of(CostTarget(price_per_hour=7.0), one) == {
+        "price_per_hour": 7.0, "example": False,
+        "source": "PRICE_PER_HOUR / the campaign's cost.price_per_hour"}
+    host = hardware.serving_devices(Profile(target="cpu", **FACTS))
+    assert host["unit"] == "host" and host["count"] == 1
+    assert cost.price_of(CostTarget(host_price_per_hour=0.2), host)["price_per_hour"] == 0.2
+    assert cost.price_text(cost.price_of(CostTarget(), host)) == "$0.1/h example price"
+    assert cost.price_text(cost.price_of(CostTarget(price_per_hour=7.0), host)) == "$7/h"
+
+
+def test_a_mig_slice_says_it_is_priced_as_the_whole_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5d1c-ab")
+    devices = hardware.serving_devices(Profile(target="cuda", **FACTS, gpus=(H100,)))
+    assert devices["mig"]
+    assert "a MIG slice, priced as the whole GPU" in cost.price_of(CostTarget(), devices)[
+        "source"]
+
+
+def test_a_run_recorded_before_runs_kept_their_devices_is_priced_from_its_engine():
+    from pipeline.core.artifacts import BenchSummary
+
+    old = BenchSummary(baseline="b", target="cuda", engine={"tensor_parallel_size": 2},
+                       hardware={"key": "cuda-h100", "gpus": [
+                           {"name": H100.name, "memory_mib": H100.memory_mib}] * 8})
+    assert cost.devices_of(old)["count"] == 2
+    assert cost.price_of(CostTarget(), cost.devices_of(old))["price_per_hour"] == 6.0
 
 
 def _sweep(*points: tuple[int, float, float, float]) -> dict[int, dict[str, float]]:

@@ -111,6 +111,8 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
             baseline=base.name, target=target, key=key,
             measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             engine=settings.model_dump(), hardware=hardware.profile().as_dict(),
+            devices=hardware.serving_devices(hardware.profile(), settings.tensor_parallel_size,
+                                             settings.pipeline_parallel_size),
             speedup_pairing=pairing(target), workloads=[str(w.path) for w in loads],
             reference=chosen,
             headline={w.name: w.headline for w in loads},

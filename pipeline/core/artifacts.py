@@ -227,6 +227,8 @@ class BenchSummary(Artifact):
     measured: str = ""
     engine: dict[str, Any] = Field(default_factory=dict)
     hardware: dict[str, Any] = Field(default_factory=dict)
+    # what each server used (hardware.serving_devices): the devices its figures are priced on
+    devices: dict[str, Any] = Field(default_factory=dict)
     speedup_pairing: str = ""
     # the reference of every speedup: the baseline's dtype, why, and the probe that chose it
     reference: dict[str, Any] = Field(default_factory=dict)
@@ -350,6 +352,8 @@ class Row(BaseModel):
     crossover: str = ""  # where the speedup crosses 1 across the sweep, as a sentence
     capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective
     cost: dict[str, Any] = Field(default_factory=dict)  # per million tokens, machines needed
+    # the hourly price of what its run's server used: price_per_hour, source, example
+    price: dict[str, Any] = Field(default_factory=dict)
     kv: dict[str, float] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
     peak_memory_bytes: int = 0
@@ -401,7 +405,8 @@ class Comparison(Artifact):
     load_point: int | None
     plan_target: PlanTarget
     cost_target: CostTarget = Field(default_factory=CostTarget)
-    price: dict[str, Any] = Field(default_factory=dict)  # price_per_hour and where it is from
+    # the reference run's price (price_per_hour, source, example); each row has its own
+    price: dict[str, Any] = Field(default_factory=dict)
     traffic: dict[str, dict[str, float]] = Field(default_factory=dict)  # prompt-file lengths
     recommendation: str | None
     reason: str

@@ -122,6 +122,21 @@ class Profile:
         return data
 
 
+def serving_devices(prof: Profile, tensor_parallel: int = 1,
+                    pipeline_parallel: int = 1) -> dict[str, Any]:
+    """What one server of a bench run uses, as its price is computed from: on a GPU host the
+    card (its name and memory), TP x PP of them, and whether it is a MIG slice; on a CPU host
+    the host itself. Not every GPU the host has: an 8-GPU node's TP = 1 server uses one."""
+    if prof.target == "cuda" and prof.gpus:
+        gpu = prof.gpus[0]
+        mig = "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", "") or gpu.memory_mib is None
+        return {"unit": "gpu", "kind": gpu.name, "memory_mib": gpu.memory_mib,
+                "count": tensor_parallel * pipeline_parallel, "mig": mig,
+                "host_gpus": len(prof.gpus), "key": prof.key()}
+    return {"unit": "host", "kind": f"{prof.cpu_model} ({prof.cores} cores)", "count": 1,
+            "mig": False, "key": prof.key()}
+
+
 def forced_isa() -> str:
     """The ISA the serving processes are made to see (``QPIPE_VLLM_CPU_ISA``), or native."""
     value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"

@@ -140,7 +140,7 @@ def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[s
     one on this machine's hardware that measured most of the current variants, with a speed
     sweep rather than only a capacity search (the newest on a tie). Every speedup compared
     comes from it: one baseline run, one workload, one load point."""
-    ranked = []
+    ranked = []  # this machine's hardware first: rows measured on another never compare with it
     for age, (path, summary) in enumerate(summaries):  # newest first
         base = _holds(summary, BASELINE, identities[BASELINE])
         if base is None or base.status != "ok":
@@ -155,6 +155,26 @@ def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[s
     return path, summary
 
 
+REFERENCE, PAIRED = "reference", "paired"
+
+
+def compared_as(summary: BenchSummary, in_reference: bool, baseline_identity: str,
+                measured_on: str, per_variant: bool) -> str:
+    """How a row measured in ``summary`` compares: ``reference`` (in the reference run),
+    ``paired`` (beside its own baseline server on the reference's hardware, a campaign on
+    Ray), else why it is not comparable. A run on other hardware never is."""
+    if in_reference:
+        return REFERENCE
+    key = summary.hardware.get("key", "unknown")
+    if key != measured_on:
+        return (f"measured on other hardware ({summary.hardware.get('summary', key)}) than the "
+                f"comparison's reference run ({measured_on})")
+    if per_variant and _holds(summary, BASELINE, baseline_identity) is not None:
+        return PAIRED
+    return ("another measurement than the comparison's reference run: its speedup is against "
+            "another baseline run (`make bench` measures every variant in one run)")
+
+
 def capacity_of(entry: ModelBench) -> dict[str, Any]:
     """A model's first capacity search, with the bounded latencies at each point it visited."""
     for figures in entry.workloads.values():
@@ -166,13 +186,16 @@ def capacity_of(entry: ModelBench) -> dict[str, Any]:
 
 
 def _newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSummary]],
-                     hardware_key: str) -> None:
-    """A capacity search made in another run on this hardware (``make bench
-    WORKLOAD=capacity``): an absolute figure, shown with the run it comes from."""
+                     hardware_key: str, prices: dict[str, dict[str, Any]],
+                     target: CostTarget) -> None:
+    """A capacity search made in another run on the compared hardware (``make bench
+    WORKLOAD=capacity``): an absolute figure, shown with the run it comes from and priced on
+    the devices that run used."""
     for path, summary in summaries:  # newest first
         entry = _holds(summary, row.name, identity)
         found = capacity_of(entry) if entry is not None and entry.status == "ok" else {}
         if found and summary.hardware.get("key") == hardware_key:
+            prices[row.name] = cost.price_of(target, cost.devices_of(summary))
             row.capacity = {**found, "measurement": measurement_label(path, summary)}
             row.notes.append(f"capacity at the objective from {row.capacity['measurement']}")
             return
@@ -230,23 +253,6 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
                           if k in ("prefix_cache_hit_rate", "prefix_cache_expected_hit_rate",
                                    "prefix_cache_ttft_speedup")}
     return first, head or 0
-
-
-def price(target: CostTarget, prof: Profile) -> dict[str, Any]:
-    """The hourly price of the machine the speed is measured on, and where it comes from."""
-    if target.price_per_hour is not None:
-        return {"price_per_hour": target.price_per_hour, "source": "PRICE_PER_HOUR / the "
-                "campaign's cost.price_per_hour"}
-    gpu = prof.gpus[0] if prof.target == "cuda" and prof.gpus else None
-    preset = detect_accelerator(gpu.name, gpu.memory_mib) if gpu else None
-    if preset is not None and preset.price_per_hour:
-        count = len(prof.gpus)
-        return {"price_per_hour": preset.price_per_hour * count,
-                "source": f"{count} x {preset.name}'s price_per_hour (configs/accelerators; an "
-                          "example figure, set yours)"}
-    return {"price_per_hour": target.host_price_per_hour,
-            "source": "the campaign's cost.host_price_per_hour for this host (an example "
-                      "figure, set yours: PRICE_PER_HOUR=)"}
 
 
 # --- eval ---------------------------------------------------------------------------------------
@@ -345,6 +351,11 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     config = json.loads((base.path / "config.json").read_text())
     summaries = BenchSummary.all(base.name)
     reference = reference_run(summaries, identities, prof.key())
+    # the hardware every compared figure was measured on: the reference run's, not
+    # necessarily this machine's (a comparison run on a cluster's CPU driver node)
+    measured_on = reference[1].hardware.get("key", "") if reference else prof.key()
+    cost_target = cost_target or CostTarget()
+    prices: dict[str, dict[str, Any]] = {}
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
     traffic = _traffic(summaries, identities[BASELINE])
@@ -371,23 +382,22 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             head_workload, head_point = _apply_bench(row, summary, entry)
             row.measurement = measurement_label(path, summary)
             sources[f"bench:{row.name}"] = str(path)
-            paired = per_variant and _holds(summary, BASELINE, identities[BASELINE]) is not None \
-                and summary.hardware.get("key") == prof.key()
-            if in_reference is not None:
+            prices[row.name] = cost.price_of(cost_target, cost.devices_of(summary))
+            basis = compared_as(summary, in_reference is not None, identities[BASELINE],
+                                measured_on, per_variant)
+            if basis == REFERENCE:
                 workload, load_point = head_workload, head_point
-            elif paired:
+            elif basis == PAIRED:
                 row.notes.append(f"speed measured beside its own baseline server in "
                                  f"{row.measurement} (one task per variant on the cluster): its "
                                  "speedup is paired there, on the same hardware")
             else:
                 row.comparable = False
-                row.notes.append(
-                    f"speed from another measurement ({row.measurement}) than the comparison's "
-                    f"({measurement.get('run', 'none')}): its speedup is against another "
-                    "baseline run, so it is shown but not compared or recommended; "
-                    "`make bench` measures every variant in one run")
+                row.notes.append(f"speed from {row.measurement}, {basis}, so it is shown but "
+                                 "not compared, priced against the others or recommended")
             if row.serving == "ok" and not row.capacity:
-                _newest_capacity(row, identities[row.name], summaries, prof.key())
+                _newest_capacity(row, identities[row.name], summaries, measured_on, prices,
+                                 cost_target)
             if row.serving == "failed":
                 failed.append({"variant": row.name, "stage": "bench",
                                "reason": row.serving_reason, "log": row.serving_log})
@@ -402,11 +412,11 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
         elif evaluated is not None:
             _apply_eval(row, evaluated, base, identities[row.name], threshold)
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
-    cost_target = cost_target or CostTarget()
-    priced = price(cost_target, prof)
+    priced = prices.get(BASELINE) or cost.price_of(cost_target, {"unit": "host", "kind": "host"})
     for row in rows:
-        if row.serving == "ok" and row.comparable:
-            row.cost = cost.figures(row, priced["price_per_hour"], cost_target)
+        if row.serving == "ok" and row.comparable and row.name in prices:
+            row.price = prices[row.name]
+            row.cost = cost.figures(row, row.price["price_per_hour"], cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       plan_target=target, cost_target=cost_target, price=priced,

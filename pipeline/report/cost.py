@@ -1,10 +1,12 @@
 """What a variant costs: per million output tokens at its capacity under the latency objective,
 and the machines a target load needs.
 
-Measured: the capacity (concurrency, requests/s, output tokens/s) at the objective on the
-machine the speed was measured on, priced at that machine's hourly price. Planned: how many
-requests the plan target's KV cache holds (:mod:`pipeline.plan.capacity`), a lower bound on the
-devices a target number of users needs there (its speed at the objective is not measured).
+Measured: the capacity (concurrency, requests/s, output tokens/s) at the objective, priced at
+the hourly price of the devices that bench run's server used (its own record: TP x PP GPUs, or
+the host), not of the machine that runs the comparison. A price the user did not set is an
+example figure and is called one. Planned: how many requests the plan target's KV cache holds
+(:mod:`pipeline.plan.capacity`), a lower bound on the devices a target number of users needs
+there (its speed at the objective is not measured).
 """
 
 from __future__ import annotations
@@ -13,10 +15,59 @@ import math
 from typing import Any
 
 from pipeline.core import tracking
-from pipeline.core.artifacts import CostTarget, Row
+from pipeline.core.artifacts import BenchSummary, CostTarget, Row
 from pipeline.plan import capacity
+from pipeline.plan.accelerators import detect as detect_accelerator
 
 USD_PER_MTOK = "usd_per_million_output_tokens"
+
+
+def devices_of(summary: BenchSummary) -> dict[str, Any]:
+    """The devices a bench run's servers used: its own record, or for a run recorded before
+    runs kept one, its hardware profile with the engine's TP x PP."""
+    if summary.devices:
+        return dict(summary.devices)
+    hw, engine = summary.hardware, summary.engine
+    gpus = hw.get("gpus") or []
+    if summary.target == "cuda" and gpus:
+        return {"unit": "gpu", "kind": gpus[0].get("name", "?"),
+                "memory_mib": gpus[0].get("memory_mib"),
+                "count": int(engine.get("tensor_parallel_size") or 1)
+                * int(engine.get("pipeline_parallel_size") or 1),
+                "mig": gpus[0].get("memory_mib") is None, "host_gpus": len(gpus),
+                "key": hw.get("key", "")}
+    return {"unit": "host", "kind": f"{hw.get('cpu_model', '?')} ({hw.get('cores', '?')} cores)",
+            "count": 1, "mig": False, "key": hw.get("key", "")}
+
+
+def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
+    """The hourly price of what one server used (``devices``), where it comes from, and
+    whether it is an example figure (every price the user did not set)."""
+    if target.price_per_hour is not None:
+        return {"price_per_hour": target.price_per_hour, "example": False,
+                "source": "PRICE_PER_HOUR / the campaign's cost.price_per_hour"}
+    if devices.get("unit") == "gpu":
+        preset = detect_accelerator(str(devices.get("kind", "")), devices.get("memory_mib"))
+        if preset is not None and preset.price_per_hour:
+            count = int(devices.get("count") or 1)
+            slice_note = (": a MIG slice, priced as the whole GPU" if devices.get("mig")
+                          else "")
+            return {"price_per_hour": preset.price_per_hour * count, "example": True,
+                    "source": f"{count} x {preset.name}'s example price_per_hour "
+                              f"(configs/accelerators{slice_note}; TP x PP GPUs per server; "
+                              "set yours: PRICE_PER_HOUR=)"}
+    host = devices.get("kind", "host")
+    return {"price_per_hour": target.host_price_per_hour, "example": True,
+            "source": f"the campaign's cost.host_price_per_hour for one {host} (an example "
+                      "figure, set yours: PRICE_PER_HOUR=)"}
+
+
+def price_text(priced: dict[str, Any]) -> str:
+    """``$0.1/h example price`` or ``$7/h``: a price never shown without saying whose."""
+    value = priced.get("price_per_hour")
+    if value is None:
+        return "no price"
+    return f"${value:g}/h" + (" example price" if priced.get("example", True) else "")
 
 
 def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> float:

@@ -10,7 +10,7 @@ from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
 from pipeline.plan import capacity
-from pipeline.report.cost import USD_PER_MTOK
+from pipeline.report.cost import USD_PER_MTOK, price_text
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
 SPEED_BASIS = "geometric mean [interval], t on log ratios, sequential"
@@ -111,7 +111,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     if USD_PER_MTOK in best.cost:
         reason += (f", ${best.cost[USD_PER_MTOK]:.2f} per million output tokens at "
                    f"{best.capacity[tracking.SLO_MAX_CONCURRENCY]} concurrent requests within the "
-                   "latency objective (measured)")
+                   f"latency objective (capacity measured; priced at {price_text(best.price)})")
     whose = ", the campaign's" if best.threshold_from == "campaign" else ""
     reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%{whose})"
     if best.eval_backend == EMULATED:

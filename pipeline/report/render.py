@@ -16,7 +16,7 @@ from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
-from pipeline.report.cost import USD_PER_MTOK
+from pipeline.report.cost import USD_PER_MTOK, price_text
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -82,8 +82,11 @@ def _cost_cell(row: Row) -> str:
 
 
 def _price_label(comparison: Comparison) -> str:
-    value = comparison.price.get("price_per_hour")
-    return f"${value:g}/h" if value is not None else "no price"
+    """The price the cost column is at: the one every priced row shares, else "each run's"."""
+    priced = {price_text(r.price) for r in comparison.rows if r.price}
+    if len(priced) > 1:
+        return "each run's own price, see below"
+    return priced.pop() if priced else price_text(comparison.price)
 
 
 def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
@@ -174,12 +177,18 @@ def capacity_lines(comparison: Comparison) -> list[str]:
     """What 'users @objective' and the cost column mean, and the crossover of each variant."""
     out = []
     objective = next((r.capacity.get("objective") for r in comparison.rows if r.capacity), None)
+    where = comparison.hardware or "the machine of the bench run"
     if objective:
         out.append(f"users @objective: the highest max concurrency measured to meet {objective} "
-                   "(searched, each point repeated; measured on this machine); its cost: the "
-                   f"machine's price ({_price_label(comparison)}: "
-                   f"{comparison.price.get('source', '?')}) over the output tokens/s measured "
-                   "there [from the repeats' min-max]")
+                   f"(searched, each point repeated; measured on {where}); its cost: the "
+                   "hourly price of the devices that run's server used over the output tokens/s "
+                   "measured there [from the repeats' min-max]")
+    sources = {(price_text(r.price), r.price.get("source", "?")) for r in comparison.rows
+               if r.price}
+    for label, source in sorted(sources):
+        who = "" if len(sources) == 1 else " (" + ", ".join(
+            r.name for r in comparison.rows if r.price and price_text(r.price) == label) + ")"
+        out.append(f"price{who}: {label}: {source}")
     target = comparison.cost_target
     for row in comparison.rows:
         cap, c = row.capacity, row.cost
@@ -188,15 +197,15 @@ def capacity_lines(comparison: Comparison) -> list[str]:
         if c.get("machines_for_target_users"):
             planned = c.get("planned_devices_for_target_users_kv")
             out.append(f"{row.name}: {target.target_users:,} concurrent users need "
-                       f"{_count(c['machines_for_target_users'], 'machine')} like this one "
-                       "(measured)"
+                       f"{_count(c['machines_for_target_users'], 'machine')} like the one "
+                       "measured (its capacity measured there)"
                        + (f"; on {_where(comparison)} the KV cache alone needs at least "
                           f"{_count(planned, 'device')} (planned; its latency there is not "
                           "measured)" if planned else ""))
         if c.get("machines_for_target_rps"):
             out.append(f"{row.name}: {target.target_rps:g} requests/s need "
-                       f"{_count(c['machines_for_target_rps'], 'machine')} like this one "
-                       "(measured)")
+                       f"{_count(c['machines_for_target_rps'], 'machine')} like the one "
+                       "measured (its capacity measured there)")
         if row.crossover and row.comparable:
             out.append(f"{row.name}: {row.crossover}")
     return out
@@ -267,7 +276,7 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               tracking.SPEEDUP_CI_LOW, tracking.SPEEDUP_CI_HIGH, tracking.SPEEDUP_N,
               "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
-              tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK,
+              tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK, "price_per_hour", "price_basis",
               "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
               "predicted_kl",
               tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
@@ -302,7 +311,10 @@ def csv_text(comparison: Comparison) -> str:
             tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
             "measurement": row.measurement, "comparable": row.comparable,
             "kl_div_mean": row.divergence.get("kl_div_mean"),
-            "predicted_kl": row.search.get("predicted_kl")}
+            "predicted_kl": row.search.get("predicted_kl"),
+            "price_per_hour": row.price.get("price_per_hour"),
+            "price_basis": ("" if not row.price else
+                            "example" if row.price.get("example", True) else "set")}
         for key in CSV_FIELDS:
             for source in (h, row.capacity, row.cost):
                 if key in source and key not in record:
