@@ -46,16 +46,17 @@ compare_prefix_caching: true
 models: baseline
 """
 
-# a capacity search whose objective every run meets: it brackets 1, 2, 4 and stops at its
-# ceiling (a knee is found on a fake latency curve in test_slo)
+# a capacity search whose objective every request meets: it brackets 1, 2, 4 and stops at its
+# ceiling, each point shown to meet 50% after its second run of 3+ requests (a knee is found on
+# known attainment curves in test_slo)
 TINY_CAPACITY = """\
 description: tiny capacity search
 dataset: random
 input_len: 16
 output_len: 4
-slo: {ttft_ms: 600000, itl_ms: 600000}
+slo: {ttft_ms: 600000, tpot_ms: 600000, percentile: 50}
 search_ceiling: 4
-min_prompts: 2
+min_prompts: 3
 prompts_per_concurrency: 1
 repeats: 2
 seed: 9
@@ -187,7 +188,16 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         found = entry.workloads["tinycap"].capacity
         assert found is not None
         assert found["slo_max_concurrency"] == 4 and found["censored"]
-        assert found["points"] == {"1": [True, True], "2": [True, True], "4": [True, True]}
+        assert {c: (p["good"], p["sent"], p["runs"], p["verdict"])
+                for c, p in found["points"].items()} == {
+            "1": (6, 6, 2, "meets"), "2": (6, 6, 2, "meets"), "4": (8, 8, 2, "meets")}
+        # the attainment counted from each request's figures is vLLM's own goodput count
+        runs = sorted((BenchSummary.path(base.name, summary.key).parent / "runs").glob(
+            f"{name}-tinycap-c*-r*.json"))
+        assert len(runs) == 6
+        for run in runs:
+            result = json.loads(run.read_text())
+            assert round(result["request_goodput"] * result["duration"]) == len(result["ttfts"])
         assert found["slo_output_tokens_per_s"] > 0
         assert found["limited_by"].startswith("the search ceiling")
         assert entry.workloads["tinycap"].prefix_cache_hit_tokens == 0  # cold too
@@ -227,7 +237,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert "speedup" not in summary.models["baseline"].workloads["tiny"].points[2]
     table = format_table(summary, loads)
     assert "tiny (concurrency 2" in table and "prefix caching off" in table
-    assert "at least 4 concurrent requests" in table
+    assert ">= 4 concurrent requests" in table
+    assert "attainment: 1: 6/6 = 100% [" in table and "] meets" in table
 
     import mlflow
 
@@ -249,6 +260,10 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     history = client.get_metric_history(runs["bench:int4"].info.run_id,
                                         f"{SWEEP}{tracking.OUTPUT_TOKENS_PER_S}")
     assert sorted(m.step for m in history) == [1, 2]
+    attained = client.get_metric_history(runs["bench:int4"].info.run_id,
+                                         f"{SWEEP}tinycap.{tracking.SLO_ATTAINMENT}")
+    assert {m.step: m.value for m in attained} == {1: 1.0, 2: 1.0, 4: 1.0}
+    assert variant.metrics[tracking.SLO_ATTAINMENT] == 1.0
     headline = client.get_metric_history(runs["bench:int4"].info.run_id,
                                          tracking.OUTPUT_TOKENS_PER_S)
     assert [m.value for m in headline] == [pytest.approx(int4[tracking.OUTPUT_TOKENS_PER_S])]

@@ -24,7 +24,10 @@ def _above(rows: list[dict]) -> list[str]:
 def test_the_fast_subset_of_verdicts_is_within_its_nominal_error_rates() -> None:
     rows = stage.calibrate(stage.CalibrateSettings(runs=400, fast=True, noise=0.05))
     assert {r["kind"] for r in rows} >= {"speed", "recommendation", "gate-task", "gate-suite",
-                                         "capacity"}
+                                         "capacity", "cost"}
+    overstated = [r for r in rows if r["kind"] == "capacity" and r["verdict"] == "overstated"]
+    cheaper = [r for r in rows if r["kind"] == "cost" and r["verdict"] == "cheaper"]
+    assert overstated and cheaper and all(r["nominal"] == 0.05 for r in overstated + cheaper)
     assert not _above(rows), _above(rows)
 
 

@@ -105,20 +105,62 @@ def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None
         compare.collect(None, objective="latency")  # type: ignore[arg-type]
 
 
-def test_cost_objective_takes_the_cheapest_passing_variant_per_million_tokens() -> None:
-    cheap, dear, failing = (_row("int8", 1.1, gate.PASS), _row("fp8", 1.5, gate.PASS),
-                            _row("int4", 0.8, gate.INCONCLUSIVE))
-    for row, tps in ((cheap, 120.0), (dear, 60.0), (failing, 300.0)):
-        row.capacity = {tracking.SLO_MAX_CONCURRENCY: 8, tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
-                        tracking.SLO_REQUESTS_PER_S: tps / 16}
-        row.cost = cost.figures(row, 0.36, CostTarget())
-    best, reason = recommend([_baseline(), cheap, dear, failing], "cost")
+def _searched(row: Row, tps: float, censored: bool = False) -> Row:
+    """A capacity of 8 users at ``tps`` (runs 0.9-1.1x), 1.2x at the first load shown to miss,
+    priced at $0.36/h."""
+    row.capacity = {tracking.SLO_MAX_CONCURRENCY: 8, tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": 0.9 * tps,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": 1.1 * tps,
+                    tracking.SLO_REQUESTS_PER_S: tps / 16, "censored": censored,
+                    "capacity_high": None if censored else 9,
+                    **({} if censored else {
+                        tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss": 1.2 * tps})}
+    row.price = {"price_per_hour": 0.36, "example": True, "source": "test"}
+    row.cost = cost.figures(row, 0.36, CostTarget())
+    return row
+
+
+def test_cost_objective_takes_the_cheapest_variant_shown_cheaper_than_the_baseline() -> None:
+    base = _searched(_baseline(), 40.0)  # $2.08-2.78 per million
+    cheap, close, failing = (_searched(_row("int8", 1.1, gate.PASS), 120.0),
+                             _searched(_row("fp8", 1.5, gate.PASS), 45.0),
+                             _searched(_row("int4", 0.8, gate.INCONCLUSIVE), 300.0))
+    assert base.cost[cost.USD_PER_MTOK + "_min"] == pytest.approx(0.36 / (48 * 3600) * 1e6)
+    assert base.cost[cost.USD_PER_MTOK + "_max"] == pytest.approx(0.36 / (36 * 3600) * 1e6)
+    best, reason = recommend([base, cheap, close, failing], "cost")
     assert best == "int8"  # int4 is cheaper still, but its gate is inconclusive
-    assert "$0.83 per million output tokens at 8 concurrent requests" in reason
+    assert "$0.83 [0.69-0.93] per million output tokens at 8 [8-9] concurrent requests" in reason
+    assert "priced at $0.36/h example price" in reason
+    # fp8's range overlaps the baseline's: not shown cheaper, so never "the cheapest"
+    best, reason = recommend([base, close], "cost")
+    assert best is None and "fp8: passes its gate but is not shown cheaper than the baseline: " \
+        "its cost range $2.22 [1.85-2.47] overlaps the baseline's $2.50 [2.08-2.78]" in reason
+    # the README's figures: the only passing variant costs twice the baseline
+    dear = _searched(_row("int4", 0.8, gate.PASS), 20.0)
+    best, reason = recommend([base, dear], "cost")
+    assert best is None and "int4: passes its gate but is not cheaper than the baseline: " \
+        "dearer than the baseline: $4.17 at least against its $2.78 at most" in reason
+    # a censored baseline's cost is only a bound: nothing is shown cheaper than it
+    bound = _searched(_baseline(), 40.0, censored=True)
+    assert bound.cost["cost_bound"] == "upper" and cost.range_text(bound.cost) == "<= $2.78"
+    best, reason = recommend([bound, cheap], "cost")
+    assert best is None and "its cost is only an upper bound (<= $2.78)" in reason
     # without a capacity at the objective there is no cost, and no recommendation for it
-    dear.cost = {}
-    best, reason = recommend([_baseline(), dear], "cost")
+    close.cost = {}
+    best, reason = recommend([base, close], "cost")
     assert best is None and "no cost figure" in reason
+
+
+def test_capacities_are_compared_at_one_objective_and_workload() -> None:
+    base, a, b = _baseline(), _row("int8", 1.1, gate.PASS), _row("int4", 1.1, gate.PASS)
+    for row, objective in ((base, "TTFT p90 <= 500 ms"), (a, "TTFT p90 <= 500 ms"),
+                           (b, "TTFT p90 <= 1000 ms")):
+        row.capacity = {"workload": "capacity", "objective": objective,
+                        tracking.SLO_MAX_CONCURRENCY: 8}
+    compare.one_objective([base, a, b])
+    assert not a.capacity.get("other_objective") and b.capacity["other_objective"]
+    assert "not at the comparison's TTFT p90 <= 500 ms" in b.notes[0]
+    assert report._capacity_cell(b) == "8 (other objective, not ranked)"
 
 
 def test_no_recommendation_names_every_reason() -> None:

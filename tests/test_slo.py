@@ -3,89 +3,135 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from pipeline.bench import workloads
-from pipeline.bench.slo import CapacitySearch, Objective
+from pipeline.bench.slo import MEETS, MISSES, UNDECIDED, CapacitySearch, Objective
 from pipeline.bench.summary import capacity_figures
+from pipeline.calibrate.scenarios import attainment_curve
 from pipeline.core.errors import ConfigError
 
 
-def fake_run(knee: float, noise: float = 0.0, rng: random.Random | None = None):
-    """A latency curve with a known knee: TTFT p99 = 100 ms x concurrency / knee x 5, so the
-    objective TTFT p99 <= 500 ms holds exactly up to ``knee``."""
-    def run(concurrency: int) -> dict[str, float]:
-        jitter = 1 + (rng.uniform(-noise, noise) if rng else 0.0)
-        return {"p99_ttft_ms": 500 * concurrency / knee * jitter, "p99_itl_ms": 20.0}
-    return run
+def step_curve(knee: int) -> Callable[[int], float]:
+    """Every request meets the objective up to ``knee`` users, none above."""
+    return lambda c: 1.0 if c <= knee else 0.0
 
 
-def search_with(run, objective: Objective, **kwargs) -> tuple[dict, list[int]]:
+def search_with(curve: Callable[[int], float], requests: int = 24,
+                rng: random.Random | None = None, **kwargs) -> tuple[dict, list[int]]:
+    """The search on a known attainment curve: each run's requests meet it at the curve's rate
+    (exactly, or drawn with ``rng``)."""
     search, visited = CapacitySearch(**kwargs), []
     while (step := search.next_run()) is not None:
         concurrency, _ = step
         visited.append(concurrency)
-        search.record(concurrency, not objective.misses(run(concurrency)))
+        share = curve(concurrency)
+        good = (sum(rng.random() < share for _ in range(requests)) if rng
+                else round(share * requests))
+        search.record(concurrency, good, requests)
     return search.result(), visited
 
 
-OBJECTIVE = Objective(ttft_ms=500)
-
-
 @pytest.mark.parametrize("knee", [1, 3, 7, 12, 20, 31])
-def test_the_search_finds_a_known_knee_to_its_precision(knee):
-    found, visited = search_with(fake_run(knee), OBJECTIVE, ceiling=32, repeats=3,
-                                 precision=0.0)
-    assert found["max_concurrency"] == knee
-    assert found["first_miss"] == knee + 1
-    assert not found["censored"]
+def test_the_search_resolves_a_sharp_knee_to_one_user(knee):
+    found, visited = search_with(step_curve(knee), ceiling=32)
+    assert found["max_concurrency"] == knee and found["capacity_high"] == knee
+    assert found["first_miss"] == knee + 1 and not found["censored"]
     # bracket then bisect: a few points, not a sweep of 1..32
     assert len(set(visited)) <= 2 * 5 + 1
 
 
 def test_precision_trades_points_for_a_coarser_answer():
-    exact, visited_exact = search_with(fake_run(20), OBJECTIVE, ceiling=64, precision=0.0)
-    coarse, visited_coarse = search_with(fake_run(20), OBJECTIVE, ceiling=64, precision=0.25)
+    exact, visited_exact = search_with(step_curve(20), ceiling=64)
+    coarse, visited_coarse = search_with(step_curve(20), ceiling=64, precision=0.25)
     assert exact["max_concurrency"] == 20
-    assert 16 <= coarse["max_concurrency"] <= 20  # a point that met it, within 25%
+    assert 16 <= coarse["max_concurrency"] <= 20 <= coarse["capacity_high"]
     assert coarse["first_miss"] - coarse["max_concurrency"] <= coarse["max_concurrency"] * 0.25
     assert len(set(visited_coarse)) < len(set(visited_exact))
 
 
-def test_a_point_is_decided_by_the_majority_of_its_repeats_and_no_more_runs():
-    search = CapacitySearch(ceiling=8, repeats=3)
+def test_a_point_runs_until_its_exact_bounds_clear_or_miss_the_target():
+    search = CapacitySearch(ceiling=8, target=0.9, max_runs=4)
     assert search.next_run() == (1, 0)
-    search.record(1, True)
-    assert search.next_run() == (1, 1)
-    search.record(1, True)  # 2 of 3: decided, the third repeat is not run
-    assert search.next_run() == (2, 0)
-    search.record(2, False)
-    search.record(2, True)
-    assert search.next_run() == (2, 2)  # 1-1: the third repeat decides
-    search.record(2, False)
-    assert search.done
-    assert search.result()["max_concurrency"] == 1
-    assert search.result()["points"] == {1: [True, True], 2: [False, True, False]}
+    search.record(1, 24, 24)  # 24 of 24: the lower bound (98.75%) is 0.83, not yet 0.9
+    assert search.points[1].verdict is None and search.next_run() == (1, 1)
+    search.record(1, 24, 24)  # 48 of 48: 0.913 >= 0.9, shown to meet; no third run
+    assert search.points[1].verdict == MEETS and search.next_run() == (2, 0)
+    search.record(2, 12, 24)  # half: the upper bound is far below 0.9, shown to miss at once
+    assert search.points[2].verdict == MISSES and search.done
+    found = search.result()
+    assert found["max_concurrency"] == 1 and found["capacity_high"] == 1
+    assert found["points"][1]["good"] == 48 and found["points"][1]["runs"] == 2
+    assert found["points"][1]["low"] >= 0.9 > found["points"][2]["high"]
+    assert found["alpha_look"] == pytest.approx(0.05 / 4)
 
 
-def test_noisy_runs_still_land_near_the_knee():
-    rng = random.Random(0)
-    found, _ = search_with(fake_run(10, noise=0.1, rng=rng), OBJECTIVE, ceiling=32,
-                           precision=0.0)
-    assert 9 <= found["max_concurrency"] <= 11
+def test_a_point_at_the_target_is_undecided_and_probed_around_from_both_sides():
+    # 100% up to 5, exactly the target at 6 (never decided), nothing above
+    found, visited = search_with(lambda c: 1.0 if c <= 5 else 0.9 if c == 6 else 0.0,
+                                 requests=40, ceiling=16)
+    assert found["points"][6]["verdict"] == UNDECIDED and found["points"][6]["runs"] == 4
+    assert found["undecided"] == [6]
+    assert found["max_concurrency"] == 5 and found["capacity_high"] == 6  # the range holds 6
+    assert visited.count(6) == 4 and 7 in visited  # its neighbours decided, to one user
 
 
-def test_a_model_that_misses_at_one_and_one_that_meets_the_ceiling():
-    never, visited = search_with(fake_run(0.5), OBJECTIVE, ceiling=32)
-    assert never["max_concurrency"] == 0 and visited == [1, 1]  # two misses decide it
-    always, _ = search_with(fake_run(1000), OBJECTIVE, ceiling=32)
+def test_a_model_that_misses_at_one_and_one_never_shown_to_miss():
+    never, visited = search_with(step_curve(0), ceiling=32)
+    assert never["max_concurrency"] == 0 and visited == [1]  # 0 of 24 decides it at once
+    always, _ = search_with(step_curve(1000), ceiling=32)
     assert always["max_concurrency"] == 32 and always["censored"]
+    assert always["capacity_high"] is None
 
 
 def test_a_start_above_one_that_misses_searches_downwards():
-    found, _ = search_with(fake_run(3), OBJECTIVE, ceiling=32, start=8, precision=0.0)
-    assert found["max_concurrency"] == 3
+    found, _ = search_with(step_curve(3), ceiling=32, start=8)
+    assert found["max_concurrency"] == 3 and found["capacity_high"] == 3
+
+
+def test_noisy_requests_on_a_smooth_knee_give_a_range_that_holds_the_truth():
+    rng = random.Random(0)
+    curve = attainment_curve(12, 0.95, 14, 0.85)  # the truth: 13 users at >= 90%
+    found, _ = search_with(curve, requests=36, rng=rng, ceiling=32)
+    assert found["max_concurrency"] <= 13 <= found["capacity_high"]
+
+
+def _detailed(ttfts, latencies, output_lens, itls=None, errors=None) -> dict:
+    return {"ttfts": ttfts, "latencies": latencies, "output_lens": output_lens,
+            "itls": itls or [[0.01] * max(0, n - 1) for n in output_lens],
+            "errors": errors or [""] * len(ttfts)}
+
+
+def test_attainment_counts_requests_within_every_bound_as_vllms_goodput_does():
+    objective = Objective(ttft_ms=500, tpot_ms=50, percentile=90)
+    result = _detailed(ttfts=[0.1, 0.6, 0.2, 0.2], latencies=[0.5, 0.9, 1.2, 0.3],
+                       output_lens=[9, 9, 9, 9], errors=["", "", "", "Connection reset"])
+    # 1: TTFT 100 ms, TPOT 50 ms: within; 2: TTFT 600 ms; 3: TPOT 125 ms; 4: failed
+    assert objective.attainment(result) == (1, 4)
+    assert objective.target == 0.9
+    itl = Objective(itl_ms=20)
+    assert itl.attainment(_detailed([0.1], [0.2], [3], itls=[[0.01, 0.025]])) == (1, 1)
+    assert itl.attainment(_detailed([0.1], [0.2], [3], itls=[[0.01, 0.035]])) == (0, 1)
+    with pytest.raises(ValueError, match="--save-detailed"):
+        objective.attainment({"p90_ttft_ms": 100.0})
+
+
+def test_a_search_that_cannot_show_its_percentile_is_refused_naming_the_way_out(tmp_path):
+    assert Objective(ttft_ms=1, percentile=99).min_requests(4) == 437
+    assert Objective(ttft_ms=1, percentile=90).min_requests(4) == 42
+    path = _write(tmp_path, BASE + "slo: {ttft_ms: 300, percentile: 99}\nmin_prompts: 24\n"
+                  "repeats: 3\n")
+    with pytest.raises(ConfigError, match=r"percentile 99 .* at least 408 requests .* at "
+                                          r"most 72 \(3 runs x 24\)") as err:
+        workloads.load(str(path))
+    assert str(path) in str(err.value) and "min_prompts or repeats" in str(err.value)
+    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 24\n"
+                                  "repeats: 4\n")))
+    with pytest.raises(ConfigError, match="REPEATS="):
+        workloads.check_search(replace(w, repeats=1))
 
 
 def test_an_objective_names_what_a_run_misses_and_what_vllm_counts_as_goodput():
@@ -106,10 +152,12 @@ def _write(tmp_path, text: str):
 
 
 BASE = "dataset: random\ninput_len: 32\noutput_len: 8\n"
+ENOUGH = "min_prompts: 24\nrepeats: 4\n"  # requests enough to show 90% at a point
 
 
 def test_a_workload_with_an_slo_searches_instead_of_sweeping(tmp_path):
-    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300, percentile: 90}\n")))
+    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300, percentile: 90}\n"
+                                  + ENOUGH)))
     assert w.slo == Objective(ttft_ms=300, percentile=90)
     assert w.load_points == ()
     args = w.client_args(4)
@@ -135,28 +183,66 @@ def test_a_malformed_slo_is_an_error_naming_the_file_and_field(tmp_path, text, n
 
 def test_the_shipped_capacity_workload_loads():
     w = workloads.load("capacity")
-    assert w.slo is not None and w.slo.bounds() == {"ttft": 500.0, "itl": 250.0}
-    assert w.search_ceiling >= 8
+    assert w.slo is not None and w.slo.auto() == ["ttft", "itl"] and w.slo.bounds() == {}
+    assert w.search_ceiling == 0  # auto: what each model's KV cache holds
+    gpu = workloads.load("capacity-gpu")
+    assert gpu.slo is not None and gpu.slo.bounds() == {"ttft": 1000.0, "itl": 50.0}
+
+
+def test_an_auto_objective_is_derived_from_the_baselines_single_request_run():
+    auto = Objective(ttft_ms="auto", itl_ms=250, factor=4)
+    assert auto.describe() == "90% of requests within ITL 250 ms and TTFT 4x the baseline's"
+    assert auto.goodput_args() == []  # nothing numeric for vLLM's goodput until derived
+    result = _detailed(ttfts=[0.080, 0.090, 0.100], latencies=[0.5, 0.6, 0.7],
+                       output_lens=[16, 16, 16], itls=[[0.03] * 15] * 3)
+    derived = auto.derived(result, "the baseline")
+    assert derived.ttft_ms == 360.0 and derived.itl_ms == 250.0  # 4 x 90 ms, rounded up
+    assert derived.auto() == [] and derived.basis.startswith(
+        "4 x the baseline's single-request TTFT 90 ms")
+    assert derived.describe() == "90% of requests within TTFT 360 ms and ITL 250 ms"
+    both = Objective(ttft_ms="auto", itl_ms="auto", factor=3).derived(result, "the baseline")
+    assert both.itl_ms == 90.0  # 3 x the mean gap of 30 ms
+
+
+def test_an_auto_ceiling_is_what_the_models_kv_cache_holds(tmp_path):
+    from pipeline.bench.measure import ModelRecord, ceiling_for
+    from pipeline.core.variant import Variant
+
+    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: auto}\nsearch_ceiling: auto\n"
+                                  + ENOUGH)))
+    assert w.search_ceiling == 0 and w.max_tokens_per_request == 41
+    record = ModelRecord(Variant.__new__(Variant))
+    assert ceiling_for(w, record) == 32  # no KV cache read: the old default
+    record.kv = {"kv_cache_tokens": 4096.0, "kv_block_size": 16.0}
+    assert ceiling_for(w, record) == 85  # 4096 tokens / 48 (41 rounded up to whole blocks)
+    record.kv = {"kv_cache_tokens": 10_000_000.0, "kv_block_size": 16.0}
+    assert ceiling_for(w, record) == 1024
+    with pytest.raises(ConfigError, match=r"'search_ceiling' is a number .* or 'auto'"):
+        workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 9}\nsearch_ceiling: all\n")))
 
 
 def _points(ttft_at_miss: float, preemptions: float = 0.0) -> dict[int, dict[str, float]]:
     return {4: {"requests_per_s": 5.0, "requests_per_s_min": 4.0, "requests_per_s_max": 6.0,
                 "output_tokens_per_s": 80.0, "output_tokens_per_s_min": 70.0,
                 "output_tokens_per_s_max": 90.0, "ttft_ms_p99": 300.0},
-            5: {"ttft_ms_p99": ttft_at_miss, "preemptions": preemptions}}
+            5: {"ttft_ms_p90": ttft_at_miss, "preemptions": preemptions}}
 
 
 def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
-    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 500}\n")))
-    found = {"max_concurrency": 4, "censored": False, "first_miss": 5, "ceiling": 32,
-             "points": {4: [True, True], 5: [False, False]}}
+    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 500}\n" + ENOUGH)))
+    point = {"good": 48, "sent": 48, "runs": 2, "attainment": 1.0, "low": 0.91, "high": 1.0,
+             "verdict": MEETS}
+    found = {"max_concurrency": 4, "capacity_high": 4, "censored": False, "first_miss": 5,
+             "ceiling": 32, "points": {4: point, 5: {**point, "good": 0, "verdict": MISSES}}}
     kv = {"kv_cache_tokens": 4096.0, "kv_block_size": 16.0}
     figures = capacity_figures(found, _points(700.0), w, kv)
     assert figures["slo_max_concurrency"] == 4
     assert figures["slo_output_tokens_per_s"] == 80.0
     assert figures["slo_requests_per_s_min"] == 4.0
+    assert figures["slo_attainment"] == 1.0 and figures["slo_capacity_high"] == 4
+    assert figures["workload"] == "w"
     assert figures["limited_by"].startswith("latency (compute)")
-    assert "TTFT p99 700 ms" in figures["limited_by"]
+    assert "TTFT p90 700 ms" in figures["limited_by"]
     # the engine preempted requests at the first miss: its KV cache was full
     assert capacity_figures(found, _points(700.0, preemptions=3), w, kv)[
         "limited_by"].startswith("the KV cache")

@@ -10,6 +10,7 @@ cannot serve here is recorded as unsupported and remembered at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.client import BenchClient, run_client
-from pipeline.bench.slo import CapacitySearch
-from pipeline.bench.workloads import Workload
+from pipeline.bench.slo import CapacitySearch, Objective
+from pipeline.bench.workloads import AUTO_CEILING, Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
 from pipeline.core.provenance import vllm_version
@@ -233,6 +234,7 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
     search (``searches``: workloads with an slo), the models' runs interleaved too."""
     label = "cache-on" if caching else "cache-off"
     run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
+    derived: dict[str, Objective] = {}  # an ``auto`` objective, shared by every group
     for group in groups:
         with servers(group, records, run_settings, logs, label, pool, dtypes) as live:
             if not live or not (steps or searches):
@@ -251,7 +253,8 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
                 if not caching:
                     _repeat_undecided(client, live, records, steps, out, pool)
                 for workload in searches:
-                    search_capacity(client, live, records, workload, out / "runs", pool)
+                    search_capacity(client, live, records, workload, out / "runs", pool,
+                                    derived)
 
 
 def _run_step(client: BenchClient, live: dict[str, VllmServer], records: dict[str, ModelRecord],
@@ -310,14 +313,39 @@ def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
 
 def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                     records: dict[str, ModelRecord], workload: Workload, out: Path,
-                    pool: ServerPool | None = None) -> None:
-    """Each live model's capacity at the workload's objective, one run per model in turn."""
+                    pool: ServerPool | None = None,
+                    derived: dict[str, Objective] | None = None) -> None:
+    """Each live model's capacity at the workload's objective, one run per model in turn. An
+    ``auto`` bound is derived first from the baseline's single-request run; an ``auto``
+    ceiling is what each model's KV cache holds of the workload's longest requests.
+    ``derived``: the objectives derived so far (the baseline's group runs first), by workload."""
+    derived = {} if derived is None else derived
     assert workload.slo is not None
-    searches = {name: CapacitySearch(workload.search_ceiling, workload.repeats,
-                                     workload.search_precision)
+    if workload.slo.auto() and workload.name in derived:  # measured with an earlier group
+        workload = dataclasses.replace(workload, slo=derived[workload.name])
+    elif workload.slo.auto():
+        if BASELINE not in live:
+            log.warning(f"{workload.name}: its objective is derived from the baseline, which is "
+                        "not being served: no capacity search")
+            return
+        probe = Step(workload, f"{workload.name}_objective", workload.repeats, 1, caching=False)
+        try:
+            result = _load_point(client, live[BASELINE], records[BASELINE], probe, out)
+        except ServeError as err:
+            _drop(live, BASELINE, records, err, pool)
+            return
+        derived[workload.name] = workload.slo.derived(result, "the baseline")
+        workload = dataclasses.replace(workload, slo=derived[workload.name])
+        log.info(f"{workload.name}: the objective is {workload.slo.describe()}: "
+                 f"{workload.slo.basis}")
+    assert workload.slo is not None
+    searches = {name: CapacitySearch(ceiling_for(workload, records[name]), workload.slo.target,
+                                     workload.repeats, workload.search_precision)
                 for name in live if workload.runs_on(name)}
     log.info(f"{workload.name}: searching each model's highest concurrency with "
-             f"{workload.slo.describe()} (up to {workload.search_ceiling})")
+             f"{workload.slo.describe()} (up to "
+             + ", ".join(f"{n} {s.ceiling}" for n, s in searches.items())
+             + f"; each point up to {workload.repeats} runs)")
     progressed = True
     while progressed:
         progressed = False
@@ -333,15 +361,32 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
             except ServeError as err:
                 _drop(live, name, records, err, pool)
                 continue
-            misses = workload.slo.misses(result)
-            search.record(concurrency, not misses)
-            log.info(f"{name}: {workload.name} concurrency {concurrency} repeat {repeat + 1}: "
-                     + ("meets the objective" if not misses else "misses: " + "; ".join(misses)))
+            good, sent = workload.slo.attainment(result)
+            search.record(concurrency, good, sent)
+            point = search.points[concurrency]
+            log.info(f"{name}: {workload.name} concurrency {concurrency} run {repeat + 1}: "
+                     f"{good}/{sent} within the objective ({point.good}/{point.sent} so far"
+                     + (f": {point.verdict})" if point.verdict else ")"))
     for name, search in searches.items():
         if name in live:
-            records[name].searches[workload.name] = search.result()
+            found = records[name].searches[workload.name] = {
+                **search.result(), "slo": workload.slo.model_dump(),
+                "ceiling_from": "the KV cache" if not workload.search_ceiling else "the workload"}
+            upper = found["capacity_high"]
             log.info(f"{name}: {workload.slo.describe()} up to concurrency "
-                     f"{search.result()['max_concurrency']}")
+                     f"{found['max_concurrency']} (range {found['max_concurrency']}-"
+                     f"{upper if upper is not None else '?'})")
+
+
+def ceiling_for(workload: Workload, record: ModelRecord) -> int:
+    """The search's ceiling: the workload's, or (``auto``) the requests of its longest length
+    that this model's KV cache holds at once, at most AUTO_CEILING (32 where unknown)."""
+    if workload.search_ceiling:
+        return workload.search_ceiling
+    block = int(record.kv.get("kv_block_size") or 1)
+    tokens = int(record.kv.get(tracking.KV_CACHE_TOKENS) or 0)
+    per_request = -(-workload.max_tokens_per_request // block) * block
+    return max(1, min(AUTO_CEILING, tokens // per_request)) if tokens else 32
 
 
 def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord],

@@ -1,59 +1,132 @@
-"""Capacity at a latency target: the highest load at which a model still meets an objective.
+"""Capacity at a latency target: the highest load at which a model is shown to meet an objective.
 
-An objective bounds latency percentiles of one client run (``ttft``, ``itl``, ``tpot``,
-``e2el`` at a percentile; the terms of ``vllm bench serve --goodput`` where vLLM has them). A
-load point meets it when most of its repeats do (each repeat its own cold prompts).
+An objective bounds each request's latency (``ttft``, ``tpot``, ``e2el``, and ``itl`` as the
+request's mean inter-token gap, the per-request terms of ``vllm bench serve --goodput``) and
+asks that a share of requests meet every bound: its SLO attainment, the field's measure
+(DistServe; GuideLLM's goodput). ``percentile: 90`` asks for 90% of requests within the bounds.
 
-The search is over max concurrency: bracket (1, 2, 4, ... up to a ceiling), then bisect
-between the last point that met the objective and the first that did not, until the two are
-within ``precision`` of each other. It assumes latency grows with load, as it does for a
-continuously batching engine once the machine is busy; every point visited is kept, so a
-non-monotone curve is visible in the figures. vLLM's own ``vllm bench sweep serve_workload``
-walks a fixed grid between serial and batch load with no objective, and starts its own server;
-this search drives the same ``vllm bench serve`` runs against qpipe's servers, one run at a
-time, so that several models' searches interleave run by run.
+Each load point's attainment is counted over its runs' requests (vLLM's ``--save-detailed``
+per-request figures) and decided sequentially: "meets" once the exact (Clopper-Pearson) lower
+bound clears the target, "misses" once the upper bound is below it, each look at ALPHA split
+evenly over the point's allowed runs; a point still straddling the target after them is
+"undecided". The search is over max concurrency: bracket (1, 2, 4, ... up to a ceiling), then
+bisect to one user between the largest load shown to meet and the smallest shown to miss,
+probing around undecided points from both sides. The capacity is the largest load shown to meet
+(a conservative figure), with its range up to the load below the smallest shown to miss. It
+assumes attainment falls with load, as it does for a continuously batching engine once the
+machine is busy; every point visited is kept, so a non-monotone curve is visible in the figures.
+vLLM's own ``vllm bench sweep serve_workload`` walks a fixed grid with no objective and starts
+its own server; this search drives the same ``vllm bench serve`` runs against qpipe's servers,
+one run at a time, so that several models' searches interleave run by run.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.core.shares import share_bounds
+
+ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
+MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # what `vllm bench serve --goodput` accepts
 
 
+AUTO = "auto"
+Bound = Annotated[float, Field(gt=0)] | Literal["auto"] | None
+
+
 class Objective(BaseModel):
-    """Latency bounds in ms at one percentile of the run's requests (tokens, for ITL)."""
+    """Latency bounds in ms per request, and the share of requests (``percentile``) that must
+    meet all of them. A bound ``auto`` is ``factor`` x the baseline's own single-request
+    figure, measured in the same bench run before the search (:meth:`derived`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    ttft_ms: float | None = Field(None, gt=0)
-    itl_ms: float | None = Field(None, gt=0)
-    tpot_ms: float | None = Field(None, gt=0)
-    e2el_ms: float | None = Field(None, gt=0)
-    percentile: int = Field(99, ge=1, le=100)
+    ttft_ms: Bound = None
+    itl_ms: Bound = None
+    tpot_ms: Bound = None
+    e2el_ms: Bound = None
+    percentile: int = Field(90, ge=1, le=99)
+    factor: float = Field(4.0, gt=1, le=100)  # an ``auto`` bound: x the single-request figure
+    basis: str = ""  # where derived bounds come from, in words
 
     @model_validator(mode="after")
     def _some_bound(self) -> Objective:
-        if not self.bounds():
+        if not self.bounds() and not self.auto():
             raise ValueError(f"an objective bounds at least one of {', '.join(METRICS)} "
-                             "(e.g. ttft_ms: 500)")
+                             "(e.g. ttft_ms: 500, or ttft_ms: auto)")
         return self
 
     def bounds(self) -> dict[str, float]:
-        """metric -> bound in ms, for the metrics bounded."""
-        return {m: v for m in METRICS if (v := getattr(self, f"{m}_ms")) is not None}
+        """metric -> bound in ms, for the metrics bounded by a number."""
+        return {m: float(v) for m in METRICS
+                if (v := getattr(self, f"{m}_ms")) is not None and v != AUTO}
+
+    def auto(self) -> list[str]:
+        """The metrics whose bound is derived from the baseline (``auto``)."""
+        return [m for m in METRICS if getattr(self, f"{m}_ms") == AUTO]
+
+    def derived(self, result: dict[str, Any], who: str) -> Objective:
+        """The objective with each ``auto`` bound set to ``factor`` x the median (TTFT, TPOT,
+        E2EL) or mean (ITL) of one single-request run's requests (``result``: ``who``'s, saved
+        with ``--save-detailed``), rounded up to two significant figures; ``basis`` says so."""
+        if not self.auto():
+            return self
+        figures = single_request_figures(result)
+        bounds = {f"{m}_ms": _round_up(self.factor * figures[m]) for m in self.auto()}
+        measured = ", ".join(f"{m.upper()} {figures[m]:.0f} ms" for m in self.auto())
+        return self.model_copy(update={**bounds, "basis": (
+            f"{self.factor:g} x {who}'s single-request {measured} (measured in this run, at "
+            "concurrency 1)")})
 
     def result_key(self, metric: str) -> str:
         """The key of ``vllm bench serve``'s saved result holding this metric's percentile."""
         return f"p{self.percentile}_{metric}_ms"
 
+    @property
+    def target(self) -> float:
+        """The SLO attainment asked: the share of requests within every bound."""
+        return self.percentile / 100
+
     def describe(self) -> str:
-        return " and ".join(f"{m.upper()} p{self.percentile} <= {v:g} ms"
-                            for m, v in self.bounds().items())
+        """``90% of requests within TTFT 500 ms and ITL 250 ms``."""
+        parts = [f"{m.upper()} {v:g} ms" for m, v in self.bounds().items()]
+        parts += [f"{m.upper()} {self.factor:g}x the baseline's" for m in self.auto()]
+        return f"{self.percentile}% of requests within " + " and ".join(parts)
+
+    def request_meets(self, ttft_s: float, latency_s: float, itls_s: list[float],
+                      output_len: int) -> bool:
+        """Whether one request is within every bound (vLLM's per-request goodput terms:
+        TPOT is (latency - TTFT) / (output - 1); ITL is the request's mean gap)."""
+        tpot = (latency_s - ttft_s) / (output_len - 1) if output_len > 1 else 0.0
+        mean_itl = sum(itls_s) / len(itls_s) if itls_s else 0.0
+        values = {"ttft": ttft_s, "tpot": tpot, "itl": mean_itl, "e2el": latency_s}
+        return all(values[m] * 1000 <= bound for m, bound in self.bounds().items())
+
+    def attainment(self, result: dict[str, Any]) -> tuple[int, int]:
+        """(requests within every bound, requests sent) of one client run, from its saved
+        per-request figures (``--save-detailed``); a failed request is one that missed."""
+        ttfts = result.get("ttfts")
+        if ttfts is None:
+            raise ValueError("the client run kept no per-request figures (--save-detailed)")
+        errors = result.get("errors") or [""] * len(ttfts)
+        good = sum(
+            1 for ttft, latency, itls, out, err in zip(
+                ttfts, result["latencies"], result["itls"], result["output_lens"], errors,
+                strict=True)
+            if not err and out and self.request_meets(ttft, latency, itls or [], out))
+        return good, len(ttfts)
+
+    def min_requests(self, looks: int, alpha: float = ALPHA) -> int:
+        """The fewest requests at one load point that can show it meets the target, all of
+        them within the bounds, at the point's per-look level (a p99 needs ~300)."""
+        return math.ceil(math.log(alpha / looks) / math.log(self.target))
 
     def goodput_args(self) -> list[str]:
         """``--goodput`` for the bounds vLLM's client counts per request (not ITL)."""
@@ -61,7 +134,8 @@ class Objective(BaseModel):
         return ["--goodput", *pairs] if pairs else []
 
     def misses(self, result: dict[str, Any]) -> list[str]:
-        """The bounds one client run misses, as text (empty: it meets the objective)."""
+        """The bounds one client run's percentile misses, as text (the log's summary of a
+        run; the verdict is the attainment's)."""
         out = []
         for metric, bound in self.bounds().items():
             value = result.get(self.result_key(metric))
@@ -72,35 +146,61 @@ class Objective(BaseModel):
         return out
 
 
+def _round_up(value: float) -> float:
+    """Up to two significant figures: 349.2 -> 350, 31.04 -> 32."""
+    if value <= 0:
+        return 1.0
+    step = 10 ** (math.floor(math.log10(value)) - 1)
+    return float(math.ceil(value / step - 1e-9) * step)
+
+
+def single_request_figures(result: dict[str, Any]) -> dict[str, float]:
+    """Median TTFT, TPOT and E2EL, and the mean ITL, in ms, of one client run's requests."""
+    ttfts, latencies = result["ttfts"], result["latencies"]
+    outs, itls = result["output_lens"], result["itls"]
+    tpots = [(lat - t) / (n - 1) for t, lat, n in zip(ttfts, latencies, outs, strict=True)
+             if n and n > 1]
+    gaps = [g for row in itls for g in row or []]
+    return {"ttft": 1000 * statistics.median(ttfts), "e2el": 1000 * statistics.median(latencies),
+            "tpot": 1000 * statistics.median(tpots) if tpots else 0.0,
+            "itl": 1000 * statistics.fmean(gaps) if gaps else 0.0}
+
+
 @dataclass
 class Point:
-    """One load point of a search: the verdict of each repeat run so far."""
+    """One load point of a search: its requests so far and their verdict."""
 
     concurrency: int
-    meets: list[bool] = field(default_factory=list)
+    good: int = 0
+    sent: int = 0
+    runs: int = 0
+    verdict: str | None = None  # meets | misses | undecided; None while it runs
 
-    def decided(self, repeats: int) -> bool | None:
-        """True/False once a majority of ``repeats`` is reached either way; None before."""
-        need = repeats // 2 + 1
-        if sum(self.meets) >= need:
-            return True
-        if len(self.meets) - sum(self.meets) >= repeats - need + 1:
-            return False
-        return None
+    def bounds(self, alpha: float) -> tuple[float, float]:
+        """The exact one-sided bounds of its attainment, each at ``alpha``."""
+        return share_bounds(self.good, self.sent, alpha)
+
+    def look(self, target: float, alpha: float, last: bool) -> str | None:
+        low, high = self.bounds(alpha)
+        if self.sent and low >= target:
+            return MEETS
+        if self.sent and high < target:
+            return MISSES
+        return UNDECIDED if last else None
 
 
 @dataclass
 class CapacitySearch:
     """The search for one model, run by the caller one client run at a time:
-    ``next_run()`` says which load point and repeat to run, ``record()`` takes its verdict."""
+    ``next_run()`` says which load point and run to do, ``record()`` takes its requests."""
 
     ceiling: int
-    repeats: int = 3
-    precision: float = 0.25  # stop when the bracket is within this share of its low end
+    target: float = 0.9  # the attainment asked (the objective's percentile / 100)
+    max_runs: int = 4  # per load point; ALPHA is split evenly over them
+    precision: float = 0.0  # stop when the bracket is within this share of its low end (0: 1)
     start: int = 1
+    alpha: float = ALPHA
     points: dict[int, Point] = field(default_factory=dict)
-    low: int = 0  # highest concurrency that met the objective (0: none yet)
-    high: int | None = None  # lowest concurrency that did not
 
     def __post_init__(self) -> None:
         if not 1 <= self.start <= self.ceiling:
@@ -109,46 +209,71 @@ class CapacitySearch:
         self._current = self.start
 
     @property
+    def alpha_look(self) -> float:
+        return self.alpha / self.max_runs
+
+    @property
     def done(self) -> bool:
         return self._current == 0
 
+    def _with(self, verdict: str) -> list[int]:
+        return sorted(c for c, p in self.points.items() if p.verdict == verdict)
+
+    @property
+    def low(self) -> int:
+        """The largest load shown to meet the objective (0: none)."""
+        return max(self._with(MEETS), default=0)
+
+    @property
+    def high(self) -> int | None:
+        """The smallest load shown to miss it (None: none)."""
+        return min(self._with(MISSES), default=None)
+
     def next_run(self) -> tuple[int, int] | None:
-        """(concurrency, repeat index) of the next run, or None when the search is over."""
+        """(concurrency, run index) of the next run, or None when the search is over."""
         if self.done:
             return None
         point = self.points.setdefault(self._current, Point(self._current))
-        return self._current, len(point.meets)
+        return self._current, point.runs
 
-    def record(self, concurrency: int, meets: bool) -> None:
+    def record(self, concurrency: int, good: int, sent: int) -> None:
         point = self.points[concurrency]
-        point.meets.append(meets)
-        verdict = point.decided(self.repeats)
-        if verdict is None:
-            return
-        if verdict:
-            self.low = max(self.low, concurrency)
-        else:
-            self.high = concurrency if self.high is None else min(self.high, concurrency)
-        self._current = self._next_concurrency()
+        point.good, point.sent, point.runs = point.good + good, point.sent + sent, point.runs + 1
+        point.verdict = point.look(self.target, self.alpha_look, point.runs >= self.max_runs)
+        if point.verdict is not None:
+            self._current = self._next_concurrency()
 
     def _next_concurrency(self) -> int:
         """0 when the search is over."""
-        if self.high is None:  # bracketing upwards
-            if self.low >= self.ceiling:
-                return 0
-            return min(self.ceiling, max(self.low * 2, self.start))
-        if self.low == 0:  # the start missed: bracket downwards
-            down = self.high // 2
-            return down if down >= 1 and down not in self.points else 0
-        if self.high - self.low <= max(1, math.floor(self.low * self.precision)):
-            return 0
-        mid = (self.low + self.high) // 2
-        return 0 if mid in self.points else mid
+        low, high = self.low, self.high
+        if high is None:  # bracketing upwards from the highest load visited
+            top = max(self.points)
+            return 0 if top >= self.ceiling else min(self.ceiling, max(top * 2, self.start))
+        step = max(1, math.floor(low * self.precision))
+        unsure = [c for c in self._with(UNDECIDED) if low < c < high]
+        below = min(unsure, default=high)  # the first load not shown to meet above low
+        if below - low > step:
+            return self._unvisited((low + below) // 2)
+        above = max(unsure, default=low)  # the last load not shown to miss below high
+        if high - above > step:
+            return self._unvisited((above + high) // 2)
+        return 0
+
+    def _unvisited(self, concurrency: int) -> int:
+        return 0 if concurrency < 1 or concurrency in self.points else concurrency
 
     def result(self) -> dict[str, Any]:
-        """``max_concurrency`` (0: not even the first point), whether the ceiling bounded it
-        (``censored``), the bracket, and every point's repeat verdicts."""
-        return {"max_concurrency": self.low,
-                "censored": self.high is None and self.low >= self.ceiling,
-                "first_miss": self.high, "ceiling": self.ceiling,
-                "points": {c: p.meets for c, p in sorted(self.points.items())}}
+        """``max_concurrency`` (the largest load shown to meet; 0: none), the capacity's range
+        (up to the load below the smallest shown to miss; ``censored`` when none missed), and
+        every point's attainment, bounds and verdict."""
+        low, high = self.low, self.high
+        points = {}
+        for c, p in sorted(self.points.items()):
+            lo, hi = p.bounds(self.alpha_look)
+            points[c] = {"good": p.good, "sent": p.sent, "runs": p.runs,
+                         "attainment": p.good / p.sent if p.sent else 0.0,
+                         "low": lo, "high": hi, "verdict": p.verdict or UNDECIDED}
+        return {"max_concurrency": low, "capacity_high": high - 1 if high is not None else None,
+                "censored": high is None, "first_miss": high, "ceiling": self.ceiling,
+                "target": self.target, "alpha_look": self.alpha_look,
+                "undecided": self._with(UNDECIDED), "points": points}

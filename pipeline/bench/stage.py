@@ -129,6 +129,8 @@ def run(settings: BenchSettings, pool: ServerPool | None = None) -> BenchSummary
         loads = [dataclasses.replace(w, repeats=settings.repeats) for w in loads]
     loads = [workloads_mod.with_objective(w, ttft=settings.slo_ttft_ms, itl=settings.slo_itl_ms)
              for w in loads]
+    for w in loads:  # REPEATS= can leave a search too few requests to decide a point
+        workloads_mod.check_search(w)
     return bench(baselines.resolve(settings.baseline), list(settings.recipes) or None, loads,
                  settings.engine, settings.force, pool=pool)
 

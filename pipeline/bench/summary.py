@@ -170,20 +170,35 @@ def nearest_rank(n: int, q: float) -> int:
 
 def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
                      kv: dict[str, float]) -> dict:
-    """A search's result, the medians at the capacity found, and what limits it."""
-    slo = workload.slo
+    """A search's result, the medians at the capacity found, the throughput at the first
+    load shown to miss (the most the capacity's range can reach: the cost's other end), each
+    point's SLO attainment, and what limits the capacity."""
+    slo = Objective.model_validate(found["slo"]) if found.get("slo") else workload.slo
     assert slo is not None
     best = found["max_concurrency"]
     at = points.get(best, {})
-    out = {"objective": slo.describe(), **found, tracking.SLO_MAX_CONCURRENCY: best,
+    out = {"objective": slo.describe(), "objective_basis": slo.basis, "workload": workload.name,
+           **{k: v for k, v in found.items() if k != "slo"},
+           tracking.SLO_MAX_CONCURRENCY: best,
            "bounds": {_latency_key(m, slo.percentile): v for m, v in slo.bounds().items()},
-           "points": {str(c): meets for c, meets in found["points"].items()}}
+           "points": {str(c): p for c, p in found["points"].items()}}
+    if found.get("capacity_high") is not None:
+        out[tracking.SLO_CAPACITY_HIGH] = found["capacity_high"]
+    if best in found["points"]:
+        out[tracking.SLO_ATTAINMENT] = found["points"][best]["attainment"]
+        out[tracking.SLO_ATTAINMENT_LOW] = found["points"][best]["low"]
     for metric, name in ((tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S),
                          (tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
                          (tracking.GOODPUT, tracking.SLO_GOODPUT)):
         for suffix in ("", "_min", "_max"):
             if metric + suffix in at:
                 out[name + suffix] = at[metric + suffix]
+    miss = points.get(found.get("first_miss") or -1, {})
+    for metric, name in ((tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
+                         (tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S)):
+        top = miss.get(metric + "_max", miss.get(metric))
+        if top is not None:
+            out[name + "_at_first_miss"] = top
     out["limited_by"] = limited_by(found, points, workload, kv, slo)
     return out
 
@@ -191,9 +206,13 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
 def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workload,
                kv: dict[str, float], slo: Objective) -> str:
     """Why the capacity is what it is: the search's ceiling, the KV cache, or latency."""
+    if found["censored"] and found.get("ceiling_from") == "the KV cache":
+        return (f"the KV cache: it holds {found['ceiling']} requests of up to "
+                f"{workload.max_tokens_per_request} tokens (the search's ceiling), and no load up "
+                "to that was shown to miss the objective")
     if found["censored"]:
-        return (f"the search ceiling: it still meets the objective at {found['ceiling']} "
-                "(raise search_ceiling)")
+        return (f"the search ceiling: no load up to {found['ceiling']} was shown to miss the "
+                "objective (raise search_ceiling)")
     miss = found.get("first_miss")
     at_miss = points.get(miss, {}) if miss else {}
     block = int(kv.get("kv_block_size") or 1)
@@ -241,10 +260,12 @@ def _metrics(entry: ModelBench, loads: list[Workload]
             metrics.update({f"{prefix}{suffix}{k}": v for k, v in data.counters().items()})
             if data.capacity is not None:
                 first = workload is next(w for w in loads if w.slo is not None)
-                metrics.update({(k if first else f"{workload.name}.{k}"): float(v)
-                                for k, v in data.capacity.items()
+                name = "" if first else f"{workload.name}."
+                metrics.update({f"{name}{k}": float(v) for k, v in data.capacity.items()
                                 if k.startswith("slo_")
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                stepped += [(f"{SWEEP}{prefix}{tracking.SLO_ATTAINMENT}", p["attainment"],
+                             int(c)) for c, p in data.capacity["points"].items()]
     metrics.update({k: float(v) for k, v in entry.kv.items()})
     if entry.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
         metrics[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = entry.engine[

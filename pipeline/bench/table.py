@@ -53,14 +53,28 @@ def lengths_text(lengths: dict[str, float]) -> str:
             f"{lengths.get('output_tokens_max', 0):.0f}")
 
 
+def capacity_range(capacity: dict) -> str:
+    """``12 [12-13]``, ``>= 32`` (censored: nothing shown to miss up to the ceiling)."""
+    best = capacity[tracking.SLO_MAX_CONCURRENCY]
+    if capacity.get("censored"):
+        return f">= {best}"
+    high = capacity.get("capacity_high")
+    return f"{best} [{best}-{high}]" if high is not None and high != best else str(best)
+
+
+def point_text(concurrency: str | int, point: dict) -> str:
+    """``12: 58/60 = 97% [91-100%] meets``: a load point's attainment, bounds and verdict."""
+    return (f"{concurrency}: {point['good']}/{point['sent']} = {point['attainment']:.0%} "
+            f"[{point['low']:.0%}-{point['high']:.0%}] {point['verdict']}")
+
+
 def capacity_text(capacity: dict) -> str:
     """One model's capacity at the objective, as one line of text."""
     best = capacity[tracking.SLO_MAX_CONCURRENCY]
     if best == 0:
-        return f"misses the objective even at concurrency 1 ({capacity['limited_by']})"
-    at_least = "at least " if capacity.get("censored") else ""
+        return f"not shown to meet the objective even at concurrency 1 ({capacity['limited_by']})"
     tps = capacity.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
-    text = f"{at_least}{best} concurrent requests"
+    text = f"{capacity_range(capacity)} concurrent requests"
     if tps is not None:
         text += (f": {capacity[tracking.SLO_REQUESTS_PER_S]:.2f} req/s, {tps:.1f} out tok/s "
                  f"[{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
@@ -69,19 +83,28 @@ def capacity_text(capacity: dict) -> str:
 
 
 def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
-    assert workload.slo is not None
-    lines = [f"\n{workload.name}: the highest max concurrency with {workload.slo.describe()} "
-             f"(searched 1, 2, 4, ... up to {workload.search_ceiling}, then bisected; a point "
-             f"meets it when most of its {workload.repeats} repeats do; cold, distinct prompts)"]
+    slo = workload.slo
+    assert slo is not None
+    searched = [e.workloads[workload.name].capacity for e in summary.models.values()
+                if workload.name in e.workloads and e.workloads[workload.name].capacity]
+    objective = searched[0]["objective"] if searched else slo.describe()
+    basis = f" ({searched[0]['objective_basis']})" if searched and searched[0].get(
+        "objective_basis") else ""
+    ceiling = workload.search_ceiling or "what each model's KV cache holds"
+    lines = [f"\n{workload.name}: the highest max concurrency shown to meet {objective}{basis} "
+             f"(searched 1, 2, 4, ... up to {ceiling}, then bisected to one user; per point up "
+             f"to {workload.repeats} runs until its exact attainment bounds clear or miss "
+             f"{slo.percentile}%; [range]: up to the load below the first shown to miss; cold, "
+             "distinct prompts)"]
     for name, entry in summary.models.items():
         data = entry.workloads.get(workload.name)
         if entry.status != "ok" or data is None or data.capacity is None:
             if entry.status != "ok":
                 lines.append(f"  {name:10s} not measured ({entry.status}: {entry.reason})")
             continue
-        visited = ", ".join(f"{c}:{'met' if sum(v) > len(v) / 2 else 'missed'}"
-                            for c, v in data.capacity["points"].items())
-        lines.append(f"  {name:10s} {capacity_text(data.capacity)}\n  {'':10s} points: {visited}")
+        visited = "; ".join(point_text(c, p) for c, p in data.capacity["points"].items())
+        lines.append(f"  {name:10s} {capacity_text(data.capacity)}\n  {'':10s} attainment: "
+                     f"{visited}")
     return lines
 
 

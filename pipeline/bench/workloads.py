@@ -30,13 +30,14 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.bench import request_files
-from pipeline.bench.slo import Objective
+from pipeline.bench.slo import AUTO, Objective
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
 from pipeline.core.speedup import Looks
 
 WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 
+AUTO_CEILING = 1024  # the most an ``auto`` ceiling searches, whatever the KV cache holds
 DATASETS = ("random", "prefix_repetition", "custom", "timed_trace")
 PERCENTILES = "50,99"
 
@@ -75,7 +76,7 @@ class Workload:
     trace_chunk_size: int = 16  # prompt tokens per hash id
     file_sha256: str = ""  # the prompt or trace file's content: part of a measurement's identity
     slo: Objective | None = None  # a capacity search instead of fixed load points
-    search_ceiling: int = 32
+    search_ceiling: int = 32  # 0 (``auto``): what each model's KV cache holds (up to AUTO_CEILING)
     search_precision: float = 0.25
     # a speed sweep's cap: its points are repeated past ``repeats`` while a variant's speedup
     # is undecided (interleaved on a CPU host; 0: exactly ``repeats``)
@@ -142,8 +143,8 @@ class Workload:
                 "--seed", str(self.seed_for(concurrency, repeat)), "--ignore-eos",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
                 self.percentiles()]
-        if self.slo is not None:
-            args += self.slo.goodput_args()
+        if self.slo is not None:  # every request's figures: the attainment is counted from them
+            args += [*self.slo.goodput_args(), "--save-detailed"]
         if not self.compare_prefix_caching:
             # one batch of the first prompt before the timed run: kernels and batch shapes are
             # warm (the first repeat ran up to 1.5x slower without). Not for prefix
@@ -179,7 +180,7 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
-          "search_ceiling": int, "search_precision": (int, float), "prompts": str,
+          "search_ceiling": (int, str), "search_precision": (int, float), "prompts": str,
           "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int,
           "max_repeats": int}
 # the smallest value of each numeric field (and the largest, where there is one)
@@ -188,7 +189,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "prompts_per_concurrency": (1, None), "min_prompts": (1, None), "output_len": (0, None),
     "input_len": (1, None), "range_ratio": (0, 0.999), "prefix_len": (1, None),
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
-    "search_ceiling": (1, None), "search_precision": (0.001, 0.999),
+    "search_ceiling": (1, None), "search_precision": (0, 0.999),
     "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
     "max_repeats": (0, None)}
 REQUIRED = {"random": ("input_len", "output_len"),
@@ -222,6 +223,12 @@ def load(name_or_path: str) -> Workload:
         expected = FIELDS[key]
         if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
             raise ConfigError(f"{path}: field {key!r} has the wrong type ({value!r}).")
+        if key == "search_ceiling" and isinstance(value, str):
+            if value != AUTO:
+                raise ConfigError(f"{path}: field 'search_ceiling' is a number of concurrent "
+                                  f"requests or 'auto' (the KV cache's limit), not {value!r}.")
+            data = {**data, key: 0}
+            continue
         if key in RANGES:
             low, high = RANGES[key]
             if value < low or (high is not None and value > high):
@@ -273,8 +280,28 @@ def load(name_or_path: str) -> Workload:
     if dataset == "prefix_repetition" and not values.get("compare_prefix_caching"):
         raise ConfigError(f"{path}: a prefix_repetition workload measures prefix reuse: set "
                           "compare_prefix_caching: true (speed sweeps run with caching off).")
-    return Workload(name=path.stem, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                    **values)
+    workload = Workload(name=path.stem, path=path,
+                        sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
+    check_search(workload)
+    return workload
+
+
+def check_search(workload: Workload) -> None:
+    """A capacity search whose load points cannot send enough requests to show the
+    attainment it asks for is refused before it starts (a p99 from 24 requests is a maximum,
+    not a percentile)."""
+    slo = workload.slo
+    if slo is None:
+        return
+    need = slo.min_requests(workload.repeats)
+    most = workload.num_prompts(1) * workload.repeats
+    if most < need:
+        raise ConfigError(
+            f"{workload.path}: slo percentile {slo.percentile} asks that {slo.percentile}% of "
+            f"requests meet the objective; showing it at one load point takes at least {need} "
+            f"requests (none missing), but a point here gets at most {most} ({workload.repeats} "
+            f"runs x {workload.num_prompts(1)}). Raise min_prompts or repeats (REPEATS=), or "
+            "lower the percentile.")
 
 
 def _request_file(path: Path, data: dict[str, Any], key: str, what: str, shape: str,
@@ -295,7 +322,9 @@ def _objective(path: Path, data: dict[str, Any]) -> Objective | None:
         return Objective.model_validate(data["slo"])
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in ("slo", *first["loc"]))
+        # the union's member names ("constrained-float", "literal['auto']") are not fields
+        where = ".".join(str(p) for p in ("slo", *first["loc"])
+                         if not any(c in str(p) for c in "-["))
         raise ConfigError(f"{path}: field {where!r}: {first['msg']}. An slo is a mapping of "
                           f"{', '.join(Objective.model_fields)}.") from None
 

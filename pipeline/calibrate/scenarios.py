@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.bench import workloads
 from pipeline.bench.measure import speed_ratios
 from pipeline.bench.slo import CapacitySearch
 from pipeline.bench.summary import point_figures, speedup_of
-from pipeline.core.artifacts import Row, TaskEntry
+from pipeline.core import tracking
+from pipeline.core.artifacts import CostTarget, Row, TaskEntry
 from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided, undecided
 from pipeline.eval import gate, recovery
+from pipeline.report import cost
 from pipeline.report.recommend import recommend
 
 Draw = Callable[[np.random.Generator], str]
@@ -33,7 +36,7 @@ class Scenario:
     """``draw`` gives one verdict; ``nominal``: verdict -> the highest rate it may have here
     (a wrong verdict's claimed error rate); verdicts not named are not errors here."""
 
-    kind: str  # which verdict: speed, recommendation, gate-task, gate-suite, capacity
+    kind: str  # which verdict: speed, recommendation, gate-task, gate-suite, capacity, cost
     name: str
     truth: str
     draw: Draw
@@ -130,23 +133,95 @@ def gate_draw(tasks: dict[str, TaskTruth], threshold: float, level: str) -> Draw
     return draw
 
 
-# --- the capacity search ------------------------------------------------------------------
-def meet_probability(knee: float, width: float) -> Callable[[int], float]:
-    """P(a run meets the objective) at a load: a logistic fall around ``knee``."""
-    return lambda c: 1 / (1 + math.exp((c - knee) / width))
+# --- the capacity search and the cost --------------------------------------------------------
+def attainment_curve(c1: int, a1: float, c2: int, a2: float) -> Callable[[int], float]:
+    """The true share of requests meeting the objective at a load: logistic in the load,
+    through ``a1`` at ``c1`` and ``a2`` at ``c2`` (a smooth knee)."""
+    l1, l2 = math.log(a1 / (1 - a1)), math.log(a2 / (1 - a2))
+    slope = (l2 - l1) / (c2 - c1)
+    return lambda c: 1 / (1 + math.exp(-(l1 + slope * (c - c1))))
 
 
-def capacity_draw(p_meet: Callable[[int], float], ceiling: int, repeats: int,
-                  precision: float, truth: int) -> Draw:
-    """The search (``CapacitySearch``) with each run meeting the objective at random; the
-    verdict: whether the capacity it reports is above, at or below the truth."""
+def true_capacity(curve: Callable[[int], float], target: float, ceiling: int) -> int:
+    """The largest load whose true attainment reaches the target (the curve falls)."""
+    return max((c for c in range(1, ceiling + 1) if curve(c) >= target), default=0)
+
+
+def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: int,
+             target: float, runs: int, requests: Callable[[int], int],
+             run_sd: float) -> CapacitySearch:
+    """The search (``CapacitySearch``) on drawn requests: each run's attainment varies around
+    the curve (``run_sd`` on the logit: runs of one point are not identical), each request
+    within the objective at that run's rate."""
+    search = CapacitySearch(ceiling, target, runs)
+    while (run := search.next_run()) is not None:
+        c = run[0]
+        p = curve(c)
+        logit = math.log(p / (1 - p)) + rng.normal(0, run_sd) if run_sd else None
+        rate = 1 / (1 + math.exp(-logit)) if logit is not None else p
+        n = requests(c)
+        search.record(c, int(rng.binomial(n, rate)), n)
+    return search
+
+
+def capacity_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: int,
+                  requests: Callable[[int], int], run_sd: float) -> Draw:
+    """The verdict: whether the capacity reported (the largest load shown to meet) is above
+    the truth (overstated: the claim that can hurt a fleet), and whether its range holds it."""
+    truth = true_capacity(curve, target, ceiling)
+
     def draw(rng: np.random.Generator) -> str:
-        search = CapacitySearch(ceiling, repeats, precision)
-        while (run := search.next_run()) is not None:
-            search.record(run[0], bool(rng.random() < p_meet(run[0])))
-        found = search.result()["max_concurrency"]
-        return "overstated" if found > truth else ("at the truth" if found == truth
-                                                   else "understated")
+        found = searched(curve, rng, ceiling, target, runs, requests, run_sd).result()
+        low, high = found["max_concurrency"], found["capacity_high"]
+        if low > truth:
+            return "overstated"
+        if high is not None and high < truth:
+            return "range below the truth"
+        return "range holds the truth"
+    return draw
+
+
+def _cost_row(name: str, search: CapacitySearch, tps: Callable[[int], float],
+              rng: np.random.Generator, sd: float) -> Row:
+    """A row as the comparison makes it: the search's capacity figures, each point's throughput
+    over its runs with noise, priced at $1/h (``cost.figures``)."""
+    points = {}
+    for c, point in search.points.items():
+        draws = [tps(c) * math.exp(rng.normal(0, sd)) for _ in range(max(1, point.runs))]
+        points[c] = {"output_tokens_per_s": float(np.median(draws)),
+                     "output_tokens_per_s_min": min(draws), "output_tokens_per_s_max": max(draws),
+                     "requests_per_s": float(np.median(draws)) / 16}
+    found = search.result()
+    row = Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
+              weight_ratio=1.0, serving="ok")
+    row.capacity = {"censored": found["censored"],
+                    tracking.SLO_MAX_CONCURRENCY: found["max_concurrency"]}
+    best, miss = points.get(found["max_concurrency"], {}), points.get(found["first_miss"] or -1)
+    for suffix in ("", "_min", "_max"):
+        if best:
+            row.capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + suffix] = best[
+                "output_tokens_per_s" + suffix]
+    if miss:
+        row.capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss"] = miss[
+            "output_tokens_per_s_max"]
+    row.cost = cost.figures(row, 1.0, CostTarget())
+    return row
+
+
+def cost_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: int,
+              requests: Callable[[int], int], run_sd: float, tps_sd: float) -> Draw:
+    """A variant whose capacity curve and throughput are exactly the baseline's: the cost
+    objective's verdict (``cost.cheaper``): "cheaper" is wrong here."""
+    def tps(c: int) -> float:
+        return 20.0 * c ** 0.8
+
+    def draw(rng: np.random.Generator) -> str:
+        rows = [_cost_row(n, searched(curve, rng, ceiling, target, runs, requests, run_sd), tps,
+                          rng, tps_sd) for n in ("baseline", "v")]
+        if cost.USD_PER_MTOK not in rows[0].cost or cost.USD_PER_MTOK not in rows[1].cost:
+            return "no cost"
+        shown, _ = cost.cheaper(rows[1].cost, rows[0].cost)
+        return {True: "cheaper", False: "dearer", None: "not shown cheaper"}[shown]
     return draw
 
 
@@ -196,7 +271,21 @@ def catalogue(sd_repeat: float, looks: Looks, sd_label: str) -> list[Scenario]:
                             "recovery 100%: passes 96% where n can show it",
                             gate_draw({"t": TaskTruth(n, 0.8)}, 96, "task"), {gate.FAIL: 0.025},
                             fast=n == 100))
-    knee = meet_probability(13.0, 1 / math.log(0.73 / 0.27))  # 0.73 at 12, 0.27 at 14
-    out.append(Scenario("capacity", "a smooth knee: P(meet) 0.73 at 12 users, 0.27 at 14",
-                        "13 users (P(meet) = 0.5)", capacity_draw(knee, 32, 3, 0.25, 13), {}))
+    # the shipped capacity workload's requests, runs and target, on a smooth knee: 95% of
+    # requests within the objective at 12 users, 85% at 14
+    shipped = workloads.load("capacity")
+    assert shipped.slo is not None
+    target, runs, ceiling = shipped.slo.target, shipped.repeats, shipped.search_ceiling or 32
+    knee = attainment_curve(12, 0.95, 14, 0.85)
+    for run_sd, label in ((0.0, "independent runs"), (0.3, "runs vary (logit sd 0.3)")):
+        out.append(Scenario("capacity", f"a smooth knee: 95% attain at 12 users, 85% at 14, "
+                            f"target {target:.0%}; {label}",
+                            f"{true_capacity(knee, target, ceiling)} users (the largest at >= "
+                            f"{target:.0%})", capacity_draw(knee, ceiling, target, runs,
+                                                           shipped.num_prompts, run_sd),
+                            {"overstated": ALPHA}, fast=run_sd == 0.0))
+    out.append(Scenario("cost", "a variant with exactly the baseline's capacity curve and "
+                        "throughput (throughput noise 0.05)", "not cheaper",
+                        cost_draw(knee, ceiling, target, runs, shipped.num_prompts, 0.0, 0.05),
+                        {"cheaper": ALPHA}))
     return out

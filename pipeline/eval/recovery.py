@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats
 
+from pipeline.core.shares import share_bounds
+
 BOOTSTRAP_ITERS = 2000
 BOOTSTRAP_SEED = 1234
 CONFIDENCE = 0.95
@@ -123,15 +125,6 @@ def loss_bound(lost: int, right: int, alpha: float = ALPHA_SIDE) -> float:
     return 1.0 if lost >= right else float(stats.beta.ppf(1 - alpha, lost + 1, right - lost))
 
 
-def _share_bounds(count: int, total: int, alpha: float) -> tuple[float, float]:
-    """Clopper-Pearson's one-sided lower and upper bounds of a share, each at ``alpha``."""
-    if total <= 0:
-        return 0.0, 0.0
-    low = 0.0 if count <= 0 else float(stats.beta.ppf(alpha, count, total - count + 1))
-    high = 1.0 if count >= total else float(stats.beta.ppf(1 - alpha, count + 1, total - count))
-    return low, high
-
-
 def paired_interval(both: int, lost: int, gained: int, neither: int
                     ) -> tuple[float, float] | None:
     """The 95% interval of recovery (%) from the paired 2x2 table; None when the baseline
@@ -146,8 +139,8 @@ def paired_interval(both: int, lost: int, gained: int, neither: int
     if right == 0:
         return None
     lost_high = loss_bound(lost, right)
-    lost_low, _ = _share_bounds(lost, right, ALPHA_SIDE / 2)
-    _, gained_high = _share_bounds(gained, wrong, ALPHA_SIDE / 2)
+    lost_low, _ = share_bounds(lost, right, ALPHA_SIDE / 2)
+    _, gained_high = share_bounds(gained, wrong, ALPHA_SIDE / 2)
     return 100 * (1 - lost_high), 100 * (1 - lost_low + gained_high * wrong / right)
 
 

@@ -177,10 +177,10 @@ def compared_as(summary: BenchSummary, in_reference: bool, baseline_identity: st
 
 def capacity_of(entry: ModelBench) -> dict[str, Any]:
     """A model's first capacity search, with the bounded latencies at each point it visited."""
-    for figures in entry.workloads.values():
+    for name, figures in entry.workloads.items():
         if figures.capacity is not None:
             bounds = figures.capacity.get("bounds", {})
-            return {**figures.capacity, "curve": {
+            return {"workload": name, **figures.capacity, "curve": {
                 c: {k: st[k] for k in bounds if k in st} for c, st in figures.points.items()}}
     return {}
 
@@ -199,6 +199,23 @@ def _newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchS
             row.capacity = {**found, "measurement": measurement_label(path, summary)}
             row.notes.append(f"capacity at the objective from {row.capacity['measurement']}")
             return
+
+
+def one_objective(rows: list[Row]) -> None:
+    """Capacities are compared at one objective and workload: the baseline's (else the first
+    row's). A row searched at another is shown as such and gets no cost to rank."""
+    searched = [r for r in rows if r.capacity]
+    base = next((r for r in searched if r.name == BASELINE), searched[0] if searched else None)
+    if base is None:
+        return
+    basis = (base.capacity.get("workload"), base.capacity.get("objective"))
+    for row in searched:
+        other = (row.capacity.get("workload"), row.capacity.get("objective"))
+        if other != basis:
+            row.capacity["other_objective"] = True
+            row.notes.append(f"capacity searched at {other[1]} (workload {other[0]}), not at the "
+                             f"comparison's {basis[1]} (workload {basis[0]}): shown, not ranked "
+                             "or priced against the others")
 
 
 def _traffic(summaries: list[tuple[Path, BenchSummary]], identity: str
@@ -413,10 +430,12 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             _apply_eval(row, evaluated, base, identities[row.name], threshold)
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
     priced = prices.get(BASELINE) or cost.price_of(cost_target, {"unit": "host", "kind": "host"})
+    one_objective(rows)
     for row in rows:
         if row.serving == "ok" and row.comparable and row.name in prices:
             row.price = prices[row.name]
-            row.cost = cost.figures(row, row.price["price_per_hour"], cost_target)
+            if not row.capacity.get("other_objective"):
+                row.cost = cost.figures(row, row.price["price_per_hour"], cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       plan_target=target, cost_target=cost_target, price=priced,

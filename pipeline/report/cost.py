@@ -77,7 +77,13 @@ def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> flo
 
 
 def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, Any]:
-    """The cost figures of one row (empty when its capacity at the objective is unknown)."""
+    """The cost figures of one row (empty when its capacity at the objective is unknown).
+
+    The cost at the capacity (the largest load shown to meet the objective) at its median
+    throughput, and its range: the dearest end from the slowest run there; the cheapest from
+    the fastest run at the first load shown to miss (the capacity's range ends below it, and
+    throughput grows with load). A censored search (nothing missed up to its ceiling) has no
+    cheapest end: its cost is an upper bound (``cost_bound: upper``), never ranked as exact."""
     cap = row.capacity
     if not cap or not cap.get(tracking.SLO_MAX_CONCURRENCY):
         return {}
@@ -85,11 +91,14 @@ def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, An
     tps = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
     if tps:
         out[USD_PER_MTOK] = per_million_tokens(price_per_hour, tps)
-        # the slowest repeat costs the most
-        for bound, src in (("_min", "_max"), ("_max", "_min")):
-            if cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + src):
-                out[USD_PER_MTOK + bound] = per_million_tokens(
-                    price_per_hour, cap[tracking.SLO_OUTPUT_TOKENS_PER_S + src])
+        slowest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_min") or tps
+        out[USD_PER_MTOK + "_max"] = per_million_tokens(price_per_hour, slowest)
+        if cap.get("censored"):
+            out["cost_bound"] = "upper"
+        else:
+            fastest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss") or cap.get(
+                tracking.SLO_OUTPUT_TOKENS_PER_S + "_max") or tps
+            out[USD_PER_MTOK + "_min"] = per_million_tokens(price_per_hour, max(fastest, tps))
     users = cap[tracking.SLO_MAX_CONCURRENCY]
     if target.target_users:
         out["machines_for_target_users"] = math.ceil(target.target_users / users)
@@ -100,3 +109,33 @@ def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, An
     if target.target_rps and rps:
         out["machines_for_target_rps"] = math.ceil(target.target_rps / rps)
     return out
+
+
+def cheaper(variant: dict[str, Any], baseline: dict[str, Any]) -> tuple[bool | None, str]:
+    """Whether a variant is shown cheaper than the baseline: its dearest end below the
+    baseline's cheapest (True), its cheapest above the baseline's dearest (False), else
+    None; with the reason in words."""
+    if USD_PER_MTOK not in baseline:
+        return None, "the baseline has no cost figure (no capacity at the objective)"
+    v_high, b_low = variant[USD_PER_MTOK + "_max"], baseline.get(USD_PER_MTOK + "_min")
+    if b_low is None:
+        return None, ("the baseline's capacity reached the search ceiling: its cost is only an "
+                      f"upper bound (<= ${baseline[USD_PER_MTOK + '_max']:.2f})")
+    if v_high < b_low:
+        return True, f"${v_high:.2f} at most against the baseline's ${b_low:.2f} at least"
+    v_low = variant.get(USD_PER_MTOK + "_min")
+    if v_low is not None and v_low > baseline[USD_PER_MTOK + "_max"]:
+        return False, (f"dearer than the baseline: ${v_low:.2f} at least against its "
+                       f"${baseline[USD_PER_MTOK + '_max']:.2f} at most")
+    return None, (f"its cost range {range_text(variant)} overlaps the baseline's "
+                  f"{range_text(baseline)}")
+
+
+def range_text(c: dict[str, Any]) -> str:
+    """``$0.12 [0.10-0.15]``, or ``<= $0.15`` for a censored capacity's bound."""
+    if USD_PER_MTOK not in c:
+        return "-"
+    if c.get("cost_bound") == "upper":
+        return f"<= ${c[USD_PER_MTOK + '_max']:.2f}"
+    return (f"${c[USD_PER_MTOK]:.2f} [{c[USD_PER_MTOK + '_min']:.2f}-"
+            f"{c[USD_PER_MTOK + '_max']:.2f}]")

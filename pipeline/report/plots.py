@@ -157,16 +157,38 @@ def plot_tasks(comparison: Comparison) -> tuple[str, str]:
 
 
 def plot_capacity(comparison: Comparison) -> tuple[str, str]:
-    """The capacity search: each bounded latency percentile against load, the objective drawn
-    as a line and each model's capacity marked."""
+    """The capacity search: each load point's SLO attainment with its exact bounds against the
+    target (first panel), then each bounded latency percentile against load with the
+    objective drawn as a line; each model's capacity circled."""
     plt = _pyplot()
-    rows = [r for r in comparison.rows if r.serving == "ok" and r.capacity.get("curve")]
+    rows = [r for r in comparison.rows if r.serving == "ok" and r.capacity.get("points")]
     bounds = rows[0].capacity.get("bounds", {}) if rows else {}
-    fig, axes = plt.subplots(1, max(1, len(bounds)), figsize=(4 * max(1, len(bounds)), 3.2),
-                             squeeze=False)
-    for ax, (key, bound) in zip(axes[0], bounds.items(), strict=False):
+    panels = 1 + len(bounds)
+    fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2), squeeze=False)
+    ax = axes[0][0]
+    for row in rows:
+        points = {int(c): p for c, p in row.capacity["points"].items() if isinstance(p, dict)}
+        xs = sorted(points)
+        ys = [points[c]["attainment"] for c in xs]
+        err = [[y - points[c]["low"] for c, y in zip(xs, ys, strict=True)],
+               [points[c]["high"] - y for c, y in zip(xs, ys, strict=True)]]
+        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=row.name)[0]
+        best = row.capacity.get("slo_max_concurrency")
+        if best in points:
+            ax.scatter([best], [points[best]["attainment"]], s=90, facecolors="none",
+                       edgecolors=line.get_color(), zorder=3)
+    if rows:
+        target = rows[0].capacity.get("target", 0.9)
+        ax.axhline(target, color="#c44", lw=1, ls="--", label=f"target {target:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max concurrency (circled: the capacity found)")
+    ax.set_ylabel("requests within the objective (exact bounds)")
+    ax.set_title("SLO attainment against load")
+    if rows:
+        ax.legend(fontsize=6)
+    for ax, (key, bound) in zip(axes[0][1:], bounds.items(), strict=False):
         for row in rows:
-            curve = {int(c): v for c, v in row.capacity["curve"].items() if key in v}
+            curve = {int(c): v for c, v in row.capacity.get("curve", {}).items() if key in v}
             points = sorted(curve)
             line = ax.plot(points, [curve[p][key] for p in points], marker="o",
                            label=row.name)[0]
@@ -176,8 +198,8 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
                            edgecolors=line.get_color(), zorder=3)
         ax.axhline(bound, color="#c44", lw=1, ls="--", label=f"objective {bound:g} ms")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency (circled: the capacity found)")
-        ax.set_ylabel(f"{key} (median of the repeats)")
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel(f"{key} (median of the runs)")
         ax.set_title(f"{key} against load")
         ax.legend(fontsize=6)
     if not rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.bench.summary import speedup_of
+from pipeline.bench.table import capacity_range
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Row
 from pipeline.core.campaigns import OBJECTIVES
@@ -10,6 +11,7 @@ from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
 from pipeline.plan import capacity
+from pipeline.report import cost
 from pipeline.report.cost import USD_PER_MTOK, price_text
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
@@ -22,7 +24,8 @@ OBJECTIVE_TEXT = {
     "capacity": "the variant that holds the most concurrent requests at the plan target and "
                 "passes its gate",
     "cost": "the variant with the lowest cost per million output tokens at the latency "
-            "objective that passes its gate",
+            "objective that passes its gate and is shown cheaper than the baseline (its cost "
+            "range's dearest end below the baseline's cheapest); ranked by that dearest end",
 }
 
 
@@ -45,7 +48,7 @@ def shown_faster(rows: list[Row]) -> set[str]:
     return holm(p_values)
 
 
-def _why_not(row: Row, objective: str, family: set[str]) -> str | None:
+def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None) -> str | None:
     """Why ``row`` cannot be recommended for ``objective``; None when it can."""
     if row.gate_status != gate.PASS:
         detail = f": {row.gate_reason}" if row.gate_reason else ""
@@ -58,8 +61,17 @@ def _why_not(row: Row, objective: str, family: set[str]) -> str | None:
     if not row.comparable:
         return f"passes its gate but its speed is from another measurement ({row.measurement})"
     if objective == "cost" and USD_PER_MTOK not in row.cost:
-        return ("passes its gate but has no cost figure: its capacity at the latency objective "
-                "was not measured or is 0 (the capacity workload)")
+        why = ("its capacity is at another objective than the baseline's"
+               if row.capacity.get("other_objective") else
+               "its capacity at the latency objective was not measured or is 0 (the capacity "
+               "workload)")
+        return f"passes its gate but has no cost figure: {why}"
+    if objective == "cost":
+        shown, why = cost.cheaper(row.cost, base.cost if base is not None else {})
+        if not shown:
+            verdict = "is not cheaper than the baseline" if shown is False else \
+                "is not shown cheaper than the baseline"
+            return f"passes its gate but {verdict}: {why}"
     found = speedup_of(row.headline)
     if objective == "speed" and (found is None or found.verdict != FASTER):
         verdict = found.verdict if found is not None else INCONCLUSIVE
@@ -81,10 +93,11 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     none does, variant by variant."""
     eligible, why_not = [], []
     family = shown_faster(rows)
+    base = next((r for r in rows if r.name == BASELINE), None)
     for row in rows:
         if row.name == BASELINE:
             continue
-        why = _why_not(row, objective, family)
+        why = _why_not(row, objective, family, base)
         if why is None:
             eligible.append(row)
         else:
@@ -97,8 +110,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         best = max(eligible, key=lambda r: r.headline.get(tracking.SPEEDUP_CI_LOW) or 0.0)
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
-    elif objective == "cost":
-        best = min(eligible, key=lambda r: r.cost[USD_PER_MTOK])
+    elif objective == "cost":  # the cost each is shown to stay under
+        best = min(eligible, key=lambda r: r.cost[USD_PER_MTOK + "_max"])
     else:
         best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
                                             -r.weight_bytes))
@@ -109,9 +122,9 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
         reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
                    "requests planned")
     if USD_PER_MTOK in best.cost:
-        reason += (f", ${best.cost[USD_PER_MTOK]:.2f} per million output tokens at "
-                   f"{best.capacity[tracking.SLO_MAX_CONCURRENCY]} concurrent requests within the "
-                   f"latency objective (capacity measured; priced at {price_text(best.price)})")
+        reason += (f", {cost.range_text(best.cost)} per million output tokens at "
+                   f"{capacity_range(best.capacity)} concurrent requests within the latency "
+                   f"objective (capacity measured; priced at {price_text(best.price)})")
     whose = ", the campaign's" if best.threshold_from == "campaign" else ""
     reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%{whose})"
     if best.eval_backend == EMULATED:

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.summary import speedup_of
-from pipeline.bench.table import SPEED_METHOD, lengths_text
+from pipeline.bench.table import SPEED_METHOD, capacity_range, lengths_text
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
-from pipeline.report.cost import USD_PER_MTOK, price_text
+from pipeline.report.cost import USD_PER_MTOK, price_text, range_text
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -68,17 +68,12 @@ def _capacity_cell(row: Row) -> str:
     cap = row.capacity
     if row.serving != "ok" or not cap:
         return "-"
-    best = cap[tracking.SLO_MAX_CONCURRENCY]
-    return ">= " + str(best) if cap.get("censored") else str(best)
+    cell = capacity_range(cap)
+    return cell + (" (other objective, not ranked)" if cap.get("other_objective") else "")
 
 
 def _cost_cell(row: Row) -> str:
-    c = row.cost
-    if USD_PER_MTOK not in c:
-        return "-"
-    low, high = c.get(USD_PER_MTOK + "_min"), c.get(USD_PER_MTOK + "_max")
-    spread = f" [{low:.2f}-{high:.2f}]" if low is not None and high is not None else ""
-    return f"{c[USD_PER_MTOK]:.2f}{spread}"
+    return range_text(row.cost).lstrip("$").replace("<= $", "<= ")
 
 
 def _price_label(comparison: Comparison) -> str:
@@ -176,7 +171,10 @@ def _count(n: int, noun: str) -> str:
 def capacity_lines(comparison: Comparison) -> list[str]:
     """What 'users @objective' and the cost column mean, and the crossover of each variant."""
     out = []
-    objective = next((r.capacity.get("objective") for r in comparison.rows if r.capacity), None)
+    searched = next((r.capacity for r in comparison.rows if r.capacity), {})
+    objective = searched.get("objective")
+    if objective and searched.get("objective_basis"):
+        objective += f" ({searched['objective_basis']})"
     where = comparison.hardware or "the machine of the bench run"
     if objective:
         out.append(f"users @objective: the highest max concurrency measured to meet {objective} "
@@ -276,7 +274,9 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               tracking.SPEEDUP_CI_LOW, tracking.SPEEDUP_CI_HIGH, tracking.SPEEDUP_N,
               "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
-              tracking.SLO_OUTPUT_TOKENS_PER_S, USD_PER_MTOK, "price_per_hour", "price_basis",
+              tracking.SLO_OUTPUT_TOKENS_PER_S, tracking.SLO_CAPACITY_HIGH, "censored",
+              USD_PER_MTOK, USD_PER_MTOK + "_min", USD_PER_MTOK + "_max", "cost_bound",
+              "price_per_hour", "price_basis",
               "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
               "predicted_kl",
               tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
