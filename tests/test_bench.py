@@ -11,6 +11,7 @@ import pytest
 from pipeline.bench import stage as bench
 from pipeline.bench import workloads
 from pipeline.bench.measure import HIT_TOLERANCE
+from pipeline.bench.slo import Objective
 from pipeline.bench.summary import SWEEP
 from pipeline.bench.table import format_table
 from pipeline.core import hardware, tracking
@@ -60,6 +61,24 @@ min_prompts: 3
 prompts_per_concurrency: 1
 repeats: 2
 seed: 9
+"""
+
+# requests per second at an objective derived from the baseline's single-request run: Poisson
+# arrivals at 2 then 4 req/s (the ceiling), each level shown to meet 50% after two runs of 3
+TINY_RATE = """\
+description: tiny arrival-rate search
+dataset: random
+input_len: 16
+output_len: 4
+slo: {ttft_ms: auto, tpot_ms: 600000, factor: 100, percentile: 50}
+search_by: rate
+rate_start: 2
+rate_ceiling: 4
+rate_step: 1
+run_seconds: 1
+min_prompts: 3
+repeats: 2
+seed: 13
 """
 
 # the user's own traffic, both ways vLLM's client replays it: prompts and a timed trace
@@ -124,6 +143,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     (workspace / "tiny.yaml").write_text(TINY_LOAD)
     (workspace / "tinyprefix.yaml").write_text(TINY_PREFIX)
     (workspace / "tinycap.yaml").write_text(TINY_CAPACITY)
+    (workspace / "tinyrate.yaml").write_text(TINY_RATE)
     (workspace / "prompts.jsonl").write_text(
         '{"prompt": "What is the capital of France?", "output_tokens": 3}\n'
         '{"prompt": "Write one word.", "output_tokens": 5}\n'
@@ -135,7 +155,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         for i in range(4)))
     (workspace / "tinytrace.yaml").write_text(TINY_TRACE)
     loads = [workloads.load(str(workspace / f"{name}.yaml"))
-             for name in ("tiny", "tinyprefix", "tinycap", "tinyprompts", "tinytrace")]
+             for name in ("tiny", "tinyprefix", "tinycap", "tinyrate", "tinyprompts",
+                          "tinytrace")]
     settings = EngineSettings(max_model_len=512, kv_cache_space_gib=1)
     # an AVX2-only CPU (or QPIPE_VLLM_CPU_ISA=avx2) has no W4A16 kernel: int4 is not served
     avx2 = hardware.profile().kernel_library == "_C_AVX2"
@@ -200,6 +221,22 @@ def test_bench_measures_baseline_and_variant_through_vllm(
             assert round(result["request_goodput"] * result["duration"]) == len(result["ttfts"])
         assert found["slo_output_tokens_per_s"] > 0
         assert found["limited_by"].startswith("the search ceiling")
+        # the rate search: Poisson arrivals at 2 and 4 req/s, as vLLM's client recorded them,
+        # against 100x the baseline's own single-request TTFT measured in this run
+        rated = entry.workloads["tinyrate"].capacity
+        assert rated is not None and rated["search_by"] == "rate" and rated["censored"]
+        assert rated[tracking.SLO_MAX_REQUEST_RATE] == 4.0
+        assert {c: (p["rate"], p["verdict"]) for c, p in rated["points"].items()} == {
+            "1": (2.0, "meets"), "2": (4.0, "meets")}
+        assert rated["objective_basis"].startswith("100 x the baseline's single-request TTFT")
+        probe = json.loads(next((BenchSummary.path(base.name, summary.key).parent / "runs")
+                                .glob("baseline-tinyrate_objective-c1-r2.json")).read_text())
+        assert rated["objective"] == Objective(
+            ttft_ms="auto", tpot_ms=600000, factor=100, percentile=50).derived(
+            probe, "the baseline").describe()
+        sent = json.loads(next((BenchSummary.path(base.name, summary.key).parent / "runs")
+                               .glob(f"{name}-tinyrate-c2-r0.json")).read_text())
+        assert sent["request_rate"] == 4.0 and sent["burstiness"] == 1.0
         assert entry.workloads["tinycap"].prefix_cache_hit_tokens == 0  # cold too
     # prefix reuse, on the baseline only: hits where the prefix allows them, and no more
     base_prefix = summary.models["baseline"].workloads

@@ -236,8 +236,8 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
     assert prices["int8"]["example"] and prices["int8"]["price_per_hour"] == 0.10
     assert row.capacity["slo_max_concurrency"] == 12
     assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
-    assert row.notes == ["capacity at the objective from bench search (2026-11-30T21:51:10"
-                         "+00:00)"]
+    assert row.notes == ["capacity at the objective (concurrency) from bench search "
+                         "(2026-11-30T21:51:10+00:00)"]
     other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
     compare._newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
     assert other.capacity == {} and other.notes == []

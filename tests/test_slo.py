@@ -250,3 +250,61 @@ def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
     small = {"kv_cache_tokens": 64.0, "kv_block_size": 16.0}
     assert capacity_figures(found, _points(700.0), w, small)["limited_by"].startswith(
         "the KV cache: it holds 1 requests")
+
+
+RATE = BASE + ("slo: {ttft_ms: 500}\nsearch_by: rate\nrate_start: 1\nrate_ceiling: 16\n"
+               "rate_step: 0.25\nrun_seconds: 10\n" + ENOUGH)
+
+
+def test_a_rate_search_sends_poisson_arrivals_and_brackets_by_doubling_the_rate(tmp_path):
+    w = workloads.load(str(_write(tmp_path, RATE)))
+    assert w.by_rate and w.levels == 17 and w.doubling == 4
+    assert [w.rate_of(level) for level in (1, 5, 9, 17)] == [1.0, 2.0, 4.0, 16.0]
+    args = w.client_args(5)
+    assert args[args.index("--request-rate") + 1] == "2"
+    assert args[args.index("--burstiness") + 1] == "1" and "--max-concurrency" not in args
+    assert w.num_prompts(1) == 24 and w.num_prompts(9) == 40  # 4 req/s x 10 s
+    assert w.load_text(5) == "2 req/s"
+    # up to 2.83 req/s (level 7) every request meets it: bracketed by doubling, then bisected
+    found, visited = search_with(step_curve(7), ceiling=w.levels, bracket_step=w.doubling)
+    assert list(dict.fromkeys(visited))[:3] == [1, 5, 9] and found["max_concurrency"] == 7
+    assert found["capacity_high"] == 7
+
+
+def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_path):
+    from pipeline.core import tracking
+    from pipeline.core.artifacts import CostTarget, Row
+    from pipeline.report import cost
+
+    w = workloads.load(str(_write(tmp_path, RATE)))
+    found, _ = search_with(step_curve(7), ceiling=w.levels, bracket_step=w.doubling)
+    points = {c: {"output_tokens_per_s": 10.0 * c, "output_tokens_per_s_min": 9.0 * c,
+                  "output_tokens_per_s_max": 11.0 * c, "requests_per_s": 0.6 * c}
+              for c in found["points"]}
+    figures = capacity_figures(found, points, w, {})
+    assert figures["search_by"] == "rate" and tracking.SLO_MAX_CONCURRENCY not in figures
+    assert figures[tracking.SLO_MAX_REQUEST_RATE] == pytest.approx(2 ** 1.5)
+    assert figures["points"]["7"]["rate"] == pytest.approx(2 ** 1.5)
+    assert figures["traffic"].startswith("open loop: Poisson arrivals")
+    from pipeline.bench.table import capacity_range
+
+    assert capacity_range(figures) == "2.83 req/s"
+    row = Row(name="v", recipe="v", scheme="S", format="f", precision="p", weight_bytes=1,
+              weight_ratio=1.0, serving="ok", rate_capacity=figures)
+    priced = cost.figures(row, 1.0, CostTarget(target_rps=10.0))
+    assert priced["machines_for_target_rps"] == 4  # 10 req/s / 2.83 per machine
+    assert priced["rps_from"] == "the arrival-rate search (open loop)"
+    assert priced["rate_" + cost.USD_PER_MTOK] == pytest.approx(1.0 / (70.0 * 3600) * 1e6)
+    assert cost.USD_PER_MTOK not in priced  # no concurrency search: no users' cost
+
+
+def test_an_auto_first_rate_is_half_what_one_user_at_a_time_sends(tmp_path):
+    from pipeline.bench.measure import derive
+
+    w = workloads.load(str(_write(tmp_path, RATE.replace("rate_start: 1", "rate_start: auto")
+                                  .replace("ttft_ms: 500", "ttft_ms: auto"))))
+    assert w.needs_probe and w.rate_start == 0
+    result = _detailed(ttfts=[0.1, 0.1, 0.1], latencies=[0.5, 0.4, 0.6], output_lens=[9, 9, 9])
+    ready = derive(w, result)
+    assert ready.rate_start == 1.0 and ready.slo.ttft_ms == 400.0  # 1 / 0.5 s / 2; 4 x 100 ms
+    assert ready.rate_ceiling == 64.0  # at least 64x the start

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.client import BenchClient, run_client
-from pipeline.bench.slo import CapacitySearch, Objective
+from pipeline.bench.slo import CapacitySearch, single_request_figures
 from pipeline.bench.workloads import AUTO_CEILING, Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
@@ -76,8 +76,8 @@ class Step:
 
     def describe(self) -> str:
         """The step as errors name it: "load point chat at concurrency 4, repeat 2"."""
-        return (f"load point {self.key} at concurrency {self.concurrency}, repeat "
-                f"{self.repeat + 1}")
+        return f"load point {self.key} at {self.workload.load_text(self.concurrency)}, " \
+            f"repeat {self.repeat + 1}"
 
     def runs_on(self, model: str) -> bool:
         if self.workload.compare_prefix_caching and not self.caching:
@@ -234,7 +234,7 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
     search (``searches``: workloads with an slo), the models' runs interleaved too."""
     label = "cache-on" if caching else "cache-off"
     run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
-    derived: dict[str, Objective] = {}  # an ``auto`` objective, shared by every group
+    derived: dict[str, Workload] = {}  # ``auto`` settings derived once, for every group
     for group in groups:
         with servers(group, records, run_settings, logs, label, pool, dtypes) as live:
             if not live or not (steps or searches):
@@ -314,37 +314,42 @@ def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
 def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                     records: dict[str, ModelRecord], workload: Workload, out: Path,
                     pool: ServerPool | None = None,
-                    derived: dict[str, Objective] | None = None) -> None:
-    """Each live model's capacity at the workload's objective, one run per model in turn. An
-    ``auto`` bound is derived first from the baseline's single-request run; an ``auto``
-    ceiling is what each model's KV cache holds of the workload's longest requests.
-    ``derived``: the objectives derived so far (the baseline's group runs first), by workload."""
+                    derived: dict[str, Workload] | None = None) -> None:
+    """Each live model's capacity at the workload's objective, one run per model in turn.
+    What is ``auto`` is derived first from the baseline's single-request run (:func:`derive`);
+    an ``auto`` ceiling is what each model's KV cache holds of the workload's longest requests.
+    ``derived``: the workloads derived so far (the baseline's group runs first), by name."""
     derived = {} if derived is None else derived
     assert workload.slo is not None
-    if workload.slo.auto() and workload.name in derived:  # measured with an earlier group
-        workload = dataclasses.replace(workload, slo=derived[workload.name])
-    elif workload.slo.auto():
+    if workload.needs_probe and workload.name in derived:  # derived with an earlier group
+        workload = derived[workload.name]
+    elif workload.needs_probe:
         if BASELINE not in live:
             log.warning(f"{workload.name}: its objective is derived from the baseline, which is "
                         "not being served: no capacity search")
             return
-        probe = Step(workload, f"{workload.name}_objective", workload.repeats, 1, caching=False)
+        # one user at a time, whatever the search varies: the single-request figures
+        single = dataclasses.replace(workload, search_by="concurrency")
+        probe = Step(single, f"{workload.name}_objective", workload.repeats, 1, caching=False)
         try:
             result = _load_point(client, live[BASELINE], records[BASELINE], probe, out)
         except ServeError as err:
             _drop(live, BASELINE, records, err, pool)
             return
-        derived[workload.name] = workload.slo.derived(result, "the baseline")
-        workload = dataclasses.replace(workload, slo=derived[workload.name])
-        log.info(f"{workload.name}: the objective is {workload.slo.describe()}: "
-                 f"{workload.slo.basis}")
+        workload = derived[workload.name] = derive(workload, result)
+        assert workload.slo is not None
+        log.info(f"{workload.name}: the objective is {workload.slo.describe()}"
+                 + (f": {workload.slo.basis}" if workload.slo.basis else "")
+                 + (f"; rates from {workload.rate_start:g} req/s" if workload.by_rate else ""))
     assert workload.slo is not None
     searches = {name: CapacitySearch(ceiling_for(workload, records[name]), workload.slo.target,
-                                     workload.repeats, workload.search_precision)
+                                     workload.repeats, workload.search_precision,
+                                     bracket_step=workload.doubling if workload.by_rate else 0)
                 for name in live if workload.runs_on(name)}
-    log.info(f"{workload.name}: searching each model's highest concurrency with "
+    unit = "arrival rate" if workload.by_rate else "concurrency"
+    log.info(f"{workload.name}: searching each model's highest {unit} with "
              f"{workload.slo.describe()} (up to "
-             + ", ".join(f"{n} {s.ceiling}" for n, s in searches.items())
+             + ", ".join(f"{n} {workload.load_text(s.ceiling)}" for n, s in searches.items())
              + f"; each point up to {workload.repeats} runs)")
     progressed = True
     while progressed:
@@ -364,23 +369,42 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
             good, sent = workload.slo.attainment(result)
             search.record(concurrency, good, sent)
             point = search.points[concurrency]
-            log.info(f"{name}: {workload.name} concurrency {concurrency} run {repeat + 1}: "
-                     f"{good}/{sent} within the objective ({point.good}/{point.sent} so far"
-                     + (f": {point.verdict})" if point.verdict else ")"))
+            log.info(f"{name}: {workload.name} {workload.load_text(concurrency)} run "
+                     f"{repeat + 1}: {good}/{sent} within the objective ({point.good}/"
+                     f"{point.sent} so far" + (f": {point.verdict})" if point.verdict else ")"))
     for name, search in searches.items():
         if name in live:
             found = records[name].searches[workload.name] = {
                 **search.result(), "slo": workload.slo.model_dump(),
-                "ceiling_from": "the KV cache" if not workload.search_ceiling else "the workload"}
+                "ceiling_from": "the KV cache" if not (workload.search_ceiling or workload.by_rate)
+                else "the workload"}
             upper = found["capacity_high"]
-            log.info(f"{name}: {workload.slo.describe()} up to concurrency "
-                     f"{found['max_concurrency']} (range {found['max_concurrency']}-"
-                     f"{upper if upper is not None else '?'})")
+            top = workload.load_text(upper) if upper is not None else "?"
+            log.info(f"{name}: {workload.slo.describe()} up to "
+                     f"{workload.load_text(found['max_concurrency'])} (range up to {top})")
+
+
+
+def derive(workload: Workload, result: dict[str, Any]) -> Workload:
+    """The workload with its ``auto`` bounds and ``auto`` first rate set from the baseline's
+    single-request run ``result``: the rate search starts at half of what one user at a time
+    sends (1 / the median request latency), so the first level is met where anything is."""
+    assert workload.slo is not None
+    out = dataclasses.replace(workload, slo=workload.slo.derived(result, "the baseline"))
+    if workload.by_rate and not workload.rate_start:
+        serial = 1 / single_request_figures(result)["e2el"] * 1000
+        start = float(f"{serial / 2:.2g}")
+        out = dataclasses.replace(out, rate_start=start,
+                                  rate_ceiling=max(out.rate_ceiling, 64 * start))
+    return out
 
 
 def ceiling_for(workload: Workload, record: ModelRecord) -> int:
     """The search's ceiling: the workload's, or (``auto``) the requests of its longest length
-    that this model's KV cache holds at once, at most AUTO_CEILING (32 where unknown)."""
+    that this model's KV cache holds at once, at most AUTO_CEILING (32 where unknown); a rate
+    search's highest level (``rate_ceiling``)."""
+    if workload.by_rate:
+        return workload.levels
     if workload.search_ceiling:
         return workload.search_ceiling
     block = int(record.kv.get("kv_block_size") or 1)

@@ -200,6 +200,7 @@ class CapacitySearch:
     precision: float = 0.0  # stop when the bracket is within this share of its low end (0: 1)
     start: int = 1
     alpha: float = ALPHA
+    bracket_step: int = 0  # bracketing adds this many levels (0: doubles the load)
     points: dict[int, Point] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -248,7 +249,8 @@ class CapacitySearch:
         low, high = self.low, self.high
         if high is None:  # bracketing upwards from the highest load visited
             top = max(self.points)
-            return 0 if top >= self.ceiling else min(self.ceiling, max(top * 2, self.start))
+            up = top + self.bracket_step if self.bracket_step else top * 2
+            return 0 if top >= self.ceiling else min(self.ceiling, max(up, self.start))
         step = max(1, math.floor(low * self.precision))
         unsure = [c for c in self._with(UNDECIDED) if low < c < high]
         below = min(unsure, default=high)  # the first load not shown to meet above low

@@ -184,6 +184,17 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
            "points": {str(c): p for c, p in found["points"].items()}}
     if found.get("capacity_high") is not None:
         out[tracking.SLO_CAPACITY_HIGH] = found["capacity_high"]
+    out["traffic"] = traffic_model(workload)
+    if workload.by_rate:  # the levels as arrival rates: requests/s at the objective
+        out["search_by"] = "rate"
+        out[tracking.SLO_MAX_REQUEST_RATE] = workload.rate_of(best) if best else 0.0
+        if found.get("capacity_high") is not None:
+            out[tracking.SLO_REQUEST_RATE_HIGH] = workload.rate_of(found["capacity_high"])
+        out["points"] = {c: {**p, "rate": workload.rate_of(int(c))}
+                         for c, p in out["points"].items()}
+        # its levels are not concurrencies: no slo_max_concurrency from it
+        out.pop(tracking.SLO_MAX_CONCURRENCY)
+        out.pop(tracking.SLO_CAPACITY_HIGH, None)
     if best in found["points"]:
         out[tracking.SLO_ATTAINMENT] = found["points"][best]["attainment"]
         out[tracking.SLO_ATTAINMENT_LOW] = found["points"][best]["low"]
@@ -203,6 +214,15 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
     return out
 
 
+def traffic_model(workload: Workload) -> str:
+    """The traffic a capacity assumes, in words."""
+    if workload.by_rate:
+        kind = "Poisson" if workload.burstiness == 1 else \
+            f"gamma (burstiness {workload.burstiness:g})"
+        return f"open loop: {kind} arrivals at a fixed rate, however slow the answers"
+    return "closed loop: N users, each sending its next request once its answer is complete"
+
+
 def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workload,
                kv: dict[str, float], slo: Objective) -> str:
     """Why the capacity is what it is: the search's ceiling, the KV cache, or latency."""
@@ -218,14 +238,15 @@ def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workl
     block = int(kv.get("kv_block_size") or 1)
     tokens = int(kv.get(tracking.KV_CACHE_TOKENS) or 0)
     per_request = -(-workload.max_tokens_per_request // block) * block
-    holds = tokens // per_request if tokens else None
+    holds = tokens // per_request if tokens and not workload.by_rate else None
     if at_miss.get(tracking.PREEMPTIONS, 0) > 0 or (holds is not None and miss and holds < miss):
         return (f"the KV cache: it holds {holds if holds is not None else '?'} requests of up "
                 f"to {workload.max_tokens_per_request} tokens; "
-                f"{at_miss.get(tracking.PREEMPTIONS, 0):.0f} preemptions at concurrency {miss}")
+                f"{at_miss.get(tracking.PREEMPTIONS, 0):.0f} preemptions at "
+                f"{workload.load_text(miss or 0)}")
     parts = [f"{m.upper()} p{slo.percentile} {at_miss[key]:.0f} ms"
              for m in slo.bounds() if (key := _latency_key(m, slo.percentile)) in at_miss]
-    return (f"latency (compute), not the KV cache: at concurrency {miss} "
+    return (f"latency (compute), not the KV cache: at {workload.load_text(miss or 0)} "
             + (", ".join(parts) if parts else "the objective is missed")
             + (f"; the KV cache holds {holds} such requests" if holds is not None else ""))
 

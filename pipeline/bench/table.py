@@ -54,7 +54,15 @@ def lengths_text(lengths: dict[str, float]) -> str:
 
 
 def capacity_range(capacity: dict) -> str:
-    """``12 [12-13]``, ``>= 32`` (censored: nothing shown to miss up to the ceiling)."""
+    """``12 [12-13]``, ``>= 32`` (censored: nothing shown to miss up to the ceiling); a rate
+    search's in requests/s: ``3.36 [3.36-4] req/s``."""
+    if capacity.get("search_by") == "rate":
+        best, high = capacity[tracking.SLO_MAX_REQUEST_RATE], capacity.get(
+            tracking.SLO_REQUEST_RATE_HIGH)
+        if capacity.get("censored"):
+            return f">= {best:.3g} req/s"
+        return (f"{best:.3g} [{best:.3g}-{high:.3g}] req/s" if high is not None and high != best
+                else f"{best:.3g} req/s")
     best = capacity[tracking.SLO_MAX_CONCURRENCY]
     if capacity.get("censored"):
         return f">= {best}"
@@ -64,17 +72,21 @@ def capacity_range(capacity: dict) -> str:
 
 def point_text(concurrency: str | int, point: dict) -> str:
     """``12: 58/60 = 97% [91-100%] meets``: a load point's attainment, bounds and verdict."""
-    return (f"{concurrency}: {point['good']}/{point['sent']} = {point['attainment']:.0%} "
+    where = f"{point['rate']:.3g}/s" if "rate" in point else str(concurrency)
+    return (f"{where}: {point['good']}/{point['sent']} = {point['attainment']:.0%} "
             f"[{point['low']:.0%}-{point['high']:.0%}] {point['verdict']}")
 
 
 def capacity_text(capacity: dict) -> str:
     """One model's capacity at the objective, as one line of text."""
-    best = capacity[tracking.SLO_MAX_CONCURRENCY]
+    best = capacity.get(tracking.SLO_MAX_CONCURRENCY, capacity.get(tracking.SLO_MAX_REQUEST_RATE))
     if best == 0:
-        return f"not shown to meet the objective even at concurrency 1 ({capacity['limited_by']})"
+        first = "the lowest rate searched" if capacity.get("search_by") == "rate" else \
+            "concurrency 1"
+        return f"not shown to meet the objective even at {first} ({capacity['limited_by']})"
     tps = capacity.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
-    text = f"{capacity_range(capacity)} concurrent requests"
+    unit = "" if capacity.get("search_by") == "rate" else " concurrent requests"
+    text = f"{capacity_range(capacity)}{unit}"
     if tps is not None:
         text += (f": {capacity[tracking.SLO_REQUESTS_PER_S]:.2f} req/s, {tps:.1f} out tok/s "
                  f"[{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
@@ -91,8 +103,14 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
     basis = f" ({searched[0]['objective_basis']})" if searched and searched[0].get(
         "objective_basis") else ""
     ceiling = workload.search_ceiling or "what each model's KV cache holds"
-    lines = [f"\n{workload.name}: the highest max concurrency shown to meet {objective}{basis} "
-             f"(searched 1, 2, 4, ... up to {ceiling}, then bisected to one user; per point up "
+    arrivals = "Poisson" if workload.burstiness == 1 else f"gamma ({workload.burstiness:g})"
+    searched_how = (f"the highest {arrivals} arrival rate shown to meet {objective}{basis} "
+                    f"(searched from {workload.rate_start:g} req/s, doubling up to "
+                    f"{workload.rate_ceiling:g}, then bisected to steps of "
+                    f"{2 ** workload.rate_step - 1:.0%}" if workload.by_rate else
+                    f"the highest max concurrency shown to meet {objective}{basis} (searched 1, "
+                    f"2, 4, ... up to {ceiling}, then bisected to one user")
+    lines = [f"\n{workload.name}: {searched_how}; per point up "
              f"to {workload.repeats} runs until its exact attainment bounds clear or miss "
              f"{slo.percentile}%; [range]: up to the load below the first shown to miss; cold, "
              "distinct prompts)"]

@@ -21,6 +21,7 @@ points: each model's capacity at the objective is searched for (``search_ceiling
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,7 +78,16 @@ class Workload:
     file_sha256: str = ""  # the prompt or trace file's content: part of a measurement's identity
     slo: Objective | None = None  # a capacity search instead of fixed load points
     search_ceiling: int = 32  # 0 (``auto``): what each model's KV cache holds (up to AUTO_CEILING)
-    search_precision: float = 0.25
+    search_precision: float = 0.0  # 0: to one user (one rate step)
+    # what the search varies: max concurrency (closed loop: each user waits for its answer) or
+    # the arrival rate (open loop: requests arrive at rate_start x 2^(k x rate_step) per second,
+    # Poisson at burstiness 1, gamma otherwise; vllm bench serve --request-rate --burstiness)
+    search_by: str = "concurrency"
+    rate_start: float = 1.0  # requests/s at the first level (0, ``auto``: from the baseline)
+    rate_ceiling: float = 64.0  # requests/s: the search stops here
+    rate_step: float = 0.125  # levels 2^rate_step apart (0.125: ~9%)
+    burstiness: float = 1.0
+    run_seconds: float = 20.0  # a rate run sends rate x run_seconds requests (>= min_prompts)
     # a speed sweep's cap: its points are repeated past ``repeats`` while a variant's speedup
     # is undecided (interleaved on a CPU host; 0: exactly ``repeats``)
     max_repeats: int = 0
@@ -95,9 +105,42 @@ class Workload:
         return self.runs_on(model_name) and (self.prefix_off_models == "all"
                                              or model_name == "baseline")
 
+    @property
+    def by_rate(self) -> bool:
+        return self.search_by == "rate"
+
+    @property
+    def needs_probe(self) -> bool:
+        """Whether the search first measures the baseline alone (an ``auto`` bound or rate)."""
+        return bool(self.slo is not None and (self.slo.auto() or (
+            self.by_rate and not self.rate_start)))
+
+    def rate_of(self, level: int) -> float:
+        """Requests/s at a rate search's level (1: ``rate_start``)."""
+        return self.rate_start * 2 ** ((level - 1) * self.rate_step)
+
+    @property
+    def levels(self) -> int:
+        """A rate search's highest level: the one at ``rate_ceiling``."""
+        return 1 + round(math.log2(self.rate_ceiling / self.rate_start) / self.rate_step)
+
+    @property
+    def doubling(self) -> int:
+        """Levels per doubling of the rate: the rate search brackets by doubling the rate."""
+        return max(1, round(1 / self.rate_step))
+
+    def load_text(self, level: int) -> str:
+        """``concurrency 12``, or ``3.36 req/s`` at a rate search's level."""
+        if not self.by_rate:
+            return f"concurrency {level}"
+        return f"{self.rate_of(level):.3g} req/s" if level else "0 req/s"
+
     def num_prompts(self, concurrency: int) -> int:
+        """Requests per run at a load point (a rate search: at its level ``concurrency``)."""
         if self.dataset == "timed_trace":  # the whole trace, at its own pace
             return request_files.trace_requests(Path(self.trace))
+        if self.by_rate:
+            return max(self.min_prompts, math.ceil(self.rate_of(concurrency) * self.run_seconds))
         by_work = (-(-self.min_output_tokens // self.output_len)
                    if self.min_output_tokens and self.output_len else 0)
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
@@ -138,8 +181,11 @@ class Workload:
 
     def client_args(self, concurrency: int, repeat: int = 0) -> list[str]:
         """Arguments of ``vllm bench serve`` that describe this load point and repeat."""
+        load = (["--request-rate", f"{self.rate_of(concurrency):.4g}", "--burstiness",
+                 f"{self.burstiness:g}"] if self.by_rate else
+                ["--max-concurrency", str(concurrency), "--request-rate", "inf"])
         args = ["--dataset-name", self.dataset, "--num-prompts", str(self.num_prompts(concurrency)),
-                "--max-concurrency", str(concurrency), "--request-rate", "inf",
+                *load,
                 "--seed", str(self.seed_for(concurrency, repeat)), "--ignore-eos",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
                 self.percentiles()]
@@ -150,7 +196,8 @@ class Workload:
             # warm (the first repeat ran up to 1.5x slower without). Not for prefix
             # comparisons: a warm-up would cache a whole prompt that the run then re-sends.
             # (a trace's cap is no load: a few warm-ups, not one per possible slot)
-            warm = min(concurrency, 4) if self.dataset == "timed_trace" else concurrency
+            warm = min(concurrency, 4) if self.dataset == "timed_trace" or self.by_rate \
+                else concurrency
             args += ["--num-warmups", str(warm)]
         if self.dataset == "custom":
             # the prompts as the user sent them, through the model's chat template; their own
@@ -182,7 +229,9 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
           "search_ceiling": (int, str), "search_precision": (int, float), "prompts": str,
           "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int,
-          "max_repeats": int}
+          "max_repeats": int, "search_by": str, "rate_start": (int, float, str),
+          "rate_ceiling": (int, float), "rate_step": (int, float), "burstiness": (int, float),
+          "run_seconds": (int, float)}
 # the smallest value of each numeric field (and the largest, where there is one)
 RANGES: dict[str, tuple[float, float | None]] = {
     "headline": (1, None), "repeats": (1, None), "seed": (0, None),
@@ -191,7 +240,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
     "search_ceiling": (1, None), "search_precision": (0, 0.999),
     "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
-    "max_repeats": (0, None)}
+    "max_repeats": (0, None), "rate_start": (0.001, None), "rate_ceiling": (0.001, None),
+    "rate_step": (0.01, 1), "burstiness": (0.01, None), "run_seconds": (1, None)}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": (),
             "timed_trace": ()}
@@ -223,10 +273,12 @@ def load(name_or_path: str) -> Workload:
         expected = FIELDS[key]
         if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
             raise ConfigError(f"{path}: field {key!r} has the wrong type ({value!r}).")
-        if key == "search_ceiling" and isinstance(value, str):
+        if key in ("search_ceiling", "rate_start") and isinstance(value, str):
             if value != AUTO:
-                raise ConfigError(f"{path}: field 'search_ceiling' is a number of concurrent "
-                                  f"requests or 'auto' (the KV cache's limit), not {value!r}.")
+                what = ("a number of concurrent requests or 'auto' (the KV cache's limit)"
+                        if key == "search_ceiling" else "requests/s or 'auto' (from the "
+                        "baseline's single-request latency)")
+                raise ConfigError(f"{path}: field {key!r} is {what}, not {value!r}.")
             data = {**data, key: 0}
             continue
         if key in RANGES:
@@ -274,6 +326,16 @@ def load(name_or_path: str) -> Workload:
         raise ConfigError(f"{path}: max_repeats ({values['max_repeats']}) is below repeats "
                           f"({values['repeats']}): it caps the repeats a speed sweep adds while "
                           "a speedup is undecided.")
+    if values.get("search_by", "concurrency") not in ("concurrency", "rate"):
+        raise ConfigError(f"{path}: search_by is 'concurrency' (max concurrency, closed loop) or "
+                          f"'rate' (arrival rate, open loop), not {values['search_by']!r}.")
+    if values.get("search_by") == "rate" and slo is None:
+        raise ConfigError(f"{path}: search_by: rate searches for the arrival rate at an "
+                          "objective: add an slo block.")
+    if values.get("rate_start", 1.0) and values.get("rate_ceiling", 64.0) <= values.get(
+            "rate_start", 1.0):
+        raise ConfigError(f"{path}: rate_ceiling ({values.get('rate_ceiling', 64.0):g}) must be "
+                          f"above rate_start ({values.get('rate_start', 1.0):g}).")
     if slo is not None and values.get("compare_prefix_caching"):
         raise ConfigError(f"{path}: a capacity search (slo) runs cold; it cannot also compare "
                           "prefix caching (make it two workloads).")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -149,11 +149,11 @@ def true_capacity(curve: Callable[[int], float], target: float, ceiling: int) ->
 
 def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: int,
              target: float, runs: int, requests: Callable[[int], int],
-             run_sd: float) -> CapacitySearch:
+             run_sd: float, bracket_step: int = 0) -> CapacitySearch:
     """The search (``CapacitySearch``) on drawn requests: each run's attainment varies around
     the curve (``run_sd`` on the logit: runs of one point are not identical), each request
     within the objective at that run's rate."""
-    search = CapacitySearch(ceiling, target, runs)
+    search = CapacitySearch(ceiling, target, runs, bracket_step=bracket_step)
     while (run := search.next_run()) is not None:
         c = run[0]
         p = curve(c)
@@ -165,13 +165,14 @@ def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: i
 
 
 def capacity_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: int,
-                  requests: Callable[[int], int], run_sd: float) -> Draw:
+                  requests: Callable[[int], int], run_sd: float, bracket_step: int = 0) -> Draw:
     """The verdict: whether the capacity reported (the largest load shown to meet) is above
     the truth (overstated: the claim that can hurt a fleet), and whether its range holds it."""
     truth = true_capacity(curve, target, ceiling)
 
     def draw(rng: np.random.Generator) -> str:
-        found = searched(curve, rng, ceiling, target, runs, requests, run_sd).result()
+        found = searched(curve, rng, ceiling, target, runs, requests, run_sd,
+                         bracket_step).result()
         low, high = found["max_concurrency"], found["capacity_high"]
         if low > truth:
             return "overstated"
@@ -284,6 +285,17 @@ def catalogue(sd_repeat: float, looks: Looks, sd_label: str) -> list[Scenario]:
                             f"{target:.0%})", capacity_draw(knee, ceiling, target, runs,
                                                            shipped.num_prompts, run_sd),
                             {"overstated": ALPHA}, fast=run_sd == 0.0))
+    rated = workloads.load("capacity-rate")
+    assert rated.slo is not None
+    at_rate = replace(rated, rate_start=1.0)  # levels 9% apart from 1 req/s: the knee at 4
+    rate_knee = attainment_curve(16, 0.95, 18, 0.85)  # level 17 = 4 req/s
+    out.append(Scenario("capacity", "arrival-rate levels 9% apart: 95% attain at 3.7 req/s, "
+                        "85% at 4.4", f"level {true_capacity(rate_knee, 0.9, at_rate.levels)} "
+                        f"({at_rate.rate_of(true_capacity(rate_knee, 0.9, at_rate.levels)):.2f} "
+                        "req/s)", capacity_draw(rate_knee, at_rate.levels, rated.slo.target,
+                                                rated.repeats, at_rate.num_prompts, 0.3,
+                                                at_rate.doubling),
+                        {"overstated": ALPHA}, fast=False))
     out.append(Scenario("cost", "a variant with exactly the baseline's capacity curve and "
                         "throughput (throughput noise 0.05)", "not cheaper",
                         cost_draw(knee, ceiling, target, runs, shipped.num_prompts, 0.0, 0.05),

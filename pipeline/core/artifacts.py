@@ -350,7 +350,8 @@ class Row(BaseModel):
     headline: dict[str, float] = Field(default_factory=dict)  # bench stats at the headline
     sweep: dict[int, dict[str, float]] = Field(default_factory=dict)  # load point -> stats
     crossover: str = ""  # where the speedup crosses 1 across the sweep, as a sentence
-    capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective
+    capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective: users
+    rate_capacity: dict[str, Any] = Field(default_factory=dict)  # and requests/s (a rate search)
     cost: dict[str, Any] = Field(default_factory=dict)  # per million tokens, machines needed
     # the hourly price of what its run's server used: price_per_hour, source, example
     price: dict[str, Any] = Field(default_factory=dict)

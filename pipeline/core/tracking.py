@@ -199,6 +199,8 @@ KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used
 # to meet it, and the medians measured there
 SLO_MAX_CONCURRENCY = "slo_max_concurrency"  # the largest load shown to meet the objective
 SLO_CAPACITY_HIGH = "slo_capacity_high"  # the load below the smallest shown to miss it
+SLO_MAX_REQUEST_RATE = "slo_max_request_rate"  # a rate search: req/s shown to meet it
+SLO_REQUEST_RATE_HIGH = "slo_request_rate_high"  # the top of its range
 SLO_ATTAINMENT = "slo_attainment"  # share of requests within the objective (stepped: per load)
 SLO_ATTAINMENT_LOW = "slo_attainment_low"  # its exact lower bound at the verdict's level
 SLO_REQUESTS_PER_S = "slo_requests_per_s"

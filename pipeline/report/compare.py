@@ -175,10 +175,12 @@ def compared_as(summary: BenchSummary, in_reference: bool, baseline_identity: st
             "another baseline run (`make bench` measures every variant in one run)")
 
 
-def capacity_of(entry: ModelBench) -> dict[str, Any]:
-    """A model's first capacity search, with the bounded latencies at each point it visited."""
+def capacity_of(entry: ModelBench, by: str = "concurrency") -> dict[str, Any]:
+    """A model's first capacity search over ``by`` (concurrency, or the arrival rate), with
+    the bounded latencies at each point it visited."""
     for name, figures in entry.workloads.items():
-        if figures.capacity is not None:
+        if figures.capacity is not None and figures.capacity.get(
+                "search_by", "concurrency") == by:
             bounds = figures.capacity.get("bounds", {})
             return {"workload": name, **figures.capacity, "curve": {
                 c: {k: st[k] for k in bounds if k in st} for c, st in figures.points.items()}}
@@ -191,28 +193,34 @@ def _newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchS
     """A capacity search made in another run on the compared hardware (``make bench
     WORKLOAD=capacity``): an absolute figure, shown with the run it comes from and priced on
     the devices that run used."""
-    for path, summary in summaries:  # newest first
-        entry = _holds(summary, row.name, identity)
-        found = capacity_of(entry) if entry is not None and entry.status == "ok" else {}
-        if found and summary.hardware.get("key") == hardware_key:
-            prices[row.name] = cost.price_of(target, cost.devices_of(summary))
-            row.capacity = {**found, "measurement": measurement_label(path, summary)}
-            row.notes.append(f"capacity at the objective from {row.capacity['measurement']}")
-            return
+    for by, field in (("concurrency", "capacity"), ("rate", "rate_capacity")):
+        if getattr(row, field):
+            continue
+        for path, summary in summaries:  # newest first
+            entry = _holds(summary, row.name, identity)
+            found = capacity_of(entry, by) if entry is not None and entry.status == "ok" else {}
+            if found and summary.hardware.get("key") == hardware_key:
+                prices.setdefault(row.name, cost.price_of(target, cost.devices_of(summary)))
+                setattr(row, field, {**found, "measurement": measurement_label(path, summary)})
+                row.notes.append(f"capacity at the objective ({by}) from "
+                                 f"{getattr(row, field)['measurement']}")
+                break
 
 
-def one_objective(rows: list[Row]) -> None:
-    """Capacities are compared at one objective and workload: the baseline's (else the first
-    row's). A row searched at another is shown as such and gets no cost to rank."""
-    searched = [r for r in rows if r.capacity]
+def one_objective(rows: list[Row], field: str = "capacity") -> None:
+    """Capacities (``field``: ``capacity`` or ``rate_capacity``) are compared at one objective
+    and workload: the baseline's (else the first row's). A row searched at another is shown as
+    such and gets no cost to rank."""
+    searched = [r for r in rows if getattr(r, field)]
     base = next((r for r in searched if r.name == BASELINE), searched[0] if searched else None)
     if base is None:
         return
-    basis = (base.capacity.get("workload"), base.capacity.get("objective"))
+    basis = (getattr(base, field).get("workload"), getattr(base, field).get("objective"))
     for row in searched:
-        other = (row.capacity.get("workload"), row.capacity.get("objective"))
+        cap = getattr(row, field)
+        other = (cap.get("workload"), cap.get("objective"))
         if other != basis:
-            row.capacity["other_objective"] = True
+            cap["other_objective"] = True
             row.notes.append(f"capacity searched at {other[1]} (workload {other[0]}), not at the "
                              f"comparison's {basis[1]} (workload {basis[0]}): shown, not ranked "
                              "or priced against the others")
@@ -263,6 +271,7 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
     if row.name != BASELINE:
         row.crossover = crossover.sentence(row.sweep)
     row.capacity = capacity_of(entry)
+    row.rate_capacity = capacity_of(entry, "rate")
     for name in (w for w in workloads if w != first):
         other = entry.workloads.get(name)
         if other is not None and other.prefix_cache_ttft_speedup is not None:
@@ -412,7 +421,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                 row.comparable = False
                 row.notes.append(f"speed from {row.measurement}, {basis}, so it is shown but "
                                  "not compared, priced against the others or recommended")
-            if row.serving == "ok" and not row.capacity:
+            if row.serving == "ok" and not (row.capacity and row.rate_capacity):
                 _newest_capacity(row, identities[row.name], summaries, measured_on, prices,
                                  cost_target)
             if row.serving == "failed":
@@ -431,11 +440,14 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
     priced = prices.get(BASELINE) or cost.price_of(cost_target, {"unit": "host", "kind": "host"})
     one_objective(rows)
+    one_objective(rows, "rate_capacity")
     for row in rows:
         if row.serving == "ok" and row.comparable and row.name in prices:
             row.price = prices[row.name]
-            if not row.capacity.get("other_objective"):
-                row.cost = cost.figures(row, row.price["price_per_hour"], cost_target)
+            ranked = row.model_copy(update={
+                f: {} for f in ("capacity", "rate_capacity")
+                if getattr(row, f).get("other_objective")})
+            row.cost = cost.figures(ranked, row.price["price_per_hour"], cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       plan_target=target, cost_target=cost_target, price=priced,

@@ -76,38 +76,57 @@ def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> flo
     return price_per_hour / (output_tokens_per_s * 3600) * 1e6
 
 
-def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, Any]:
-    """The cost figures of one row (empty when its capacity at the objective is unknown).
+def _priced(cap: dict[str, Any], price_per_hour: float, prefix: str = "") -> dict[str, Any]:
+    """The cost at one search's capacity (``prefix``: ``rate_`` for a rate search's): at the
+    median throughput there, the dearest end from its slowest run, the cheapest from the fastest
+    run at the first level shown to miss; a censored search gives only the dearest end, an
+    upper bound (``cost_bound: upper``)."""
+    tps = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
+    if not tps:
+        return {}
+    key = prefix + USD_PER_MTOK
+    out: dict[str, Any] = {key: per_million_tokens(price_per_hour, tps)}
+    slowest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_min") or tps
+    out[key + "_max"] = per_million_tokens(price_per_hour, slowest)
+    if cap.get("censored"):
+        out[prefix + "cost_bound"] = "upper"
+    else:
+        fastest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss") or cap.get(
+            tracking.SLO_OUTPUT_TOKENS_PER_S + "_max") or tps
+        out[key + "_min"] = per_million_tokens(price_per_hour, max(fastest, tps))
+    return out
 
-    The cost at the capacity (the largest load shown to meet the objective) at its median
-    throughput, and its range: the dearest end from the slowest run there; the cheapest from
-    the fastest run at the first load shown to miss (the capacity's range ends below it, and
-    throughput grows with load). A censored search (nothing missed up to its ceiling) has no
-    cheapest end: its cost is an upper bound (``cost_bound: upper``), never ranked as exact."""
-    cap = row.capacity
-    if not cap or not cap.get(tracking.SLO_MAX_CONCURRENCY):
+
+def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, Any]:
+    """The cost figures of one row (empty when it has no capacity at the objective).
+
+    The cost at the capacity (the largest load shown to meet the objective) and its range
+    (:func:`_priced`), from the concurrency search and, prefixed ``rate_``, from the arrival-rate
+    search; the machines a target load needs: users from the concurrency search, requests/s
+    from the rate search where there is one (open-loop arrivals, what a fleet is sized by),
+    else from the concurrency search's requests/s (closed loop), said in ``rps_from``. A
+    censored capacity's cost is an upper bound, never ranked as exact."""
+    cap, rate = row.capacity, row.rate_capacity
+    users = cap.get(tracking.SLO_MAX_CONCURRENCY) if cap else 0
+    max_rate = rate.get(tracking.SLO_MAX_REQUEST_RATE) if rate else 0.0
+    if not users and not max_rate:
         return {}
     out: dict[str, Any] = {"price_per_hour": price_per_hour}
-    tps = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
-    if tps:
-        out[USD_PER_MTOK] = per_million_tokens(price_per_hour, tps)
-        slowest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_min") or tps
-        out[USD_PER_MTOK + "_max"] = per_million_tokens(price_per_hour, slowest)
-        if cap.get("censored"):
-            out["cost_bound"] = "upper"
-        else:
-            fastest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss") or cap.get(
-                tracking.SLO_OUTPUT_TOKENS_PER_S + "_max") or tps
-            out[USD_PER_MTOK + "_min"] = per_million_tokens(price_per_hour, max(fastest, tps))
-    users = cap[tracking.SLO_MAX_CONCURRENCY]
-    if target.target_users:
+    if users:
+        out.update(_priced(cap, price_per_hour))
+    if max_rate:
+        out.update(_priced(rate, price_per_hour, "rate_"))
+    if target.target_users and users:
         out["machines_for_target_users"] = math.ceil(target.target_users / users)
         planned = row.plan.get(capacity.MAX_CONCURRENCY_PAGED)
         if planned:
             out["planned_devices_for_target_users_kv"] = math.ceil(target.target_users / planned)
-    rps = cap.get(tracking.SLO_REQUESTS_PER_S)
+    rps, source = (max_rate, "the arrival-rate search (open loop)") if max_rate else (
+        cap.get(tracking.SLO_REQUESTS_PER_S) if users else 0.0,
+        "the concurrency search's requests/s (closed loop)")
     if target.target_rps and rps:
         out["machines_for_target_rps"] = math.ceil(target.target_rps / rps)
+        out["rps_from"] = source
     return out
 
 
@@ -131,11 +150,12 @@ def cheaper(variant: dict[str, Any], baseline: dict[str, Any]) -> tuple[bool | N
                   f"{range_text(baseline)}")
 
 
-def range_text(c: dict[str, Any]) -> str:
-    """``$0.12 [0.10-0.15]``, or ``<= $0.15`` for a censored capacity's bound."""
-    if USD_PER_MTOK not in c:
+def range_text(c: dict[str, Any], prefix: str = "") -> str:
+    """``$0.12 [0.10-0.15]``, or ``<= $0.15`` for a censored capacity's bound (``prefix``:
+    ``rate_`` for the rate search's)."""
+    key = prefix + USD_PER_MTOK
+    if key not in c:
         return "-"
-    if c.get("cost_bound") == "upper":
-        return f"<= ${c[USD_PER_MTOK + '_max']:.2f}"
-    return (f"${c[USD_PER_MTOK]:.2f} [{c[USD_PER_MTOK + '_min']:.2f}-"
-            f"{c[USD_PER_MTOK + '_max']:.2f}]")
+    if c.get(prefix + "cost_bound") == "upper":
+        return f"<= ${c[key + '_max']:.2f}"
+    return f"${c[key]:.2f} [{c[key + '_min']:.2f}-{c[key + '_max']:.2f}]"

@@ -44,7 +44,8 @@ def child_metrics(row: Row) -> dict[str, float]:
             m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
         m.update(row.prefix)
         numbers = {**{k: v for k, v in row.capacity.items() if k.startswith("slo_")},
-                   **row.cost}
+                   **{f"rate.{k}": v for k, v in row.rate_capacity.items()
+                      if k.startswith("slo_")}, **row.cost}
         m.update({k: float(v) for k, v in numbers.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for suite, fig in row.suites.items():

@@ -64,16 +64,21 @@ def _speed_cell(row: Row) -> str:
     return cell if row.comparable else f"{cell} (other run, not compared)"
 
 
-def _capacity_cell(row: Row) -> str:
-    cap = row.capacity
+def _rated(comparison: Comparison) -> bool:
+    """Whether any row has a rate search (its columns are shown then)."""
+    return any(r.rate_capacity for r in comparison.rows)
+
+
+def _capacity_cell(row: Row, field: str = "capacity") -> str:
+    cap = getattr(row, field)
     if row.serving != "ok" or not cap:
         return "-"
     cell = capacity_range(cap)
     return cell + (" (other objective, not ranked)" if cap.get("other_objective") else "")
 
 
-def _cost_cell(row: Row) -> str:
-    return range_text(row.cost).lstrip("$").replace("<= $", "<= ")
+def _cost_cell(row: Row, prefix: str = "") -> str:
+    return range_text(row.cost, prefix).lstrip("$").replace("<= $", "<= ")
 
 
 def _price_label(comparison: Comparison) -> str:
@@ -92,6 +97,7 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
               "out tok/s [min-max]",
               "speedup [interval], n, verdict", "TTFT p50 ms", "ITL p50 ms", "users @objective",
               f"$/M out tok @objective ({_price_label(comparison)})",
+              *(["req/s @objective", "$/M out tok @req/s"] if _rated(comparison) else []),
               *[f"recovery {s} [95% CI]" for s in _suites(comparison)], "gate", "figures from"]
     cells = []
     for row in comparison.rows:
@@ -119,6 +125,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             _speed_cell(row),
             _num(row.headline.get(tracking.TTFT_MS_P50), "{:,.0f}"),
             _num(row.headline.get(tracking.ITL_MS_P50)), _capacity_cell(row), _cost_cell(row),
+            *([_capacity_cell(row, "rate_capacity"), _cost_cell(row, "rate_")]
+              if _rated(comparison) else []),
             *[_suite_cell(row, s) for s in _suites(comparison)], gate_cell, origin])
     return header, cells
 
@@ -181,6 +189,13 @@ def capacity_lines(comparison: Comparison) -> list[str]:
                    f"(searched, each point repeated; measured on {where}); its cost: the "
                    "hourly price of the devices that run's server used over the output tokens/s "
                    "measured there [from the repeats' min-max]")
+    rated = next((r.rate_capacity for r in comparison.rows if r.rate_capacity), {})
+    if rated.get("objective"):
+        basis = f" ({rated['objective_basis']})" if rated.get("objective_basis") else ""
+        out.append(f"req/s @objective: the highest arrival rate shown to meet "
+                   f"{rated['objective']}{basis} ({rated.get('traffic', 'open loop')}); users "
+                   f"@objective assumes {searched.get('traffic', 'a closed loop')}; each cost is "
+                   "at its own search's capacity")
     sources = {(price_text(r.price), r.price.get("source", "?")) for r in comparison.rows
                if r.price}
     for label, source in sorted(sources):
@@ -203,7 +218,7 @@ def capacity_lines(comparison: Comparison) -> list[str]:
         if c.get("machines_for_target_rps"):
             out.append(f"{row.name}: {target.target_rps:g} requests/s need "
                        f"{_count(c['machines_for_target_rps'], 'machine')} like the one "
-                       "measured (its capacity measured there)")
+                       f"measured (from {c.get('rps_from', 'its capacity measured there')})")
         if row.crossover and row.comparable:
             out.append(f"{row.name}: {row.crossover}")
     return out
@@ -275,6 +290,8 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
               tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
               tracking.SLO_OUTPUT_TOKENS_PER_S, tracking.SLO_CAPACITY_HIGH, "censored",
+              tracking.SLO_MAX_REQUEST_RATE, tracking.SLO_REQUEST_RATE_HIGH,
+              "rate_" + USD_PER_MTOK,
               USD_PER_MTOK, USD_PER_MTOK + "_min", USD_PER_MTOK + "_max", "cost_bound",
               "price_per_hour", "price_basis",
               "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
@@ -316,7 +333,7 @@ def csv_text(comparison: Comparison) -> str:
             "price_basis": ("" if not row.price else
                             "example" if row.price.get("example", True) else "set")}
         for key in CSV_FIELDS:
-            for source in (h, row.capacity, row.cost):
+            for source in (h, row.capacity, row.rate_capacity, row.cost):
                 if key in source and key not in record:
                     record[key] = source[key]
         for s in suites:
