@@ -40,15 +40,20 @@ def speed_text(row: Row) -> str:
     return found.text() if found is not None else "not measured"
 
 
+def compared(rows: list[Row]) -> dict[str, float]:
+    """Each variant with a measured, comparable speedup: its one-sided p-value of "faster"."""
+    return {r.name: found.p_faster for r in rows if r.name != BASELINE and r.comparable
+            and (found := speedup_of(r.headline)) is not None}
+
+
 def shown_faster(rows: list[Row]) -> set[str]:
     """The variants whose "faster" survives Holm's correction over every variant with a
     measured, comparable speedup: the family a recommendation is chosen from."""
-    p_values = {r.name: found.p_faster for r in rows if r.name != BASELINE and r.comparable
-                and (found := speedup_of(r.headline)) is not None}
-    return holm(p_values)
+    return holm(compared(rows))
 
 
-def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None) -> str | None:
+def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None,
+             n_compared: int = 0) -> str | None:
     """Why ``row`` cannot be recommended for ``objective``; None when it can."""
     if row.gate_status != gate.PASS:
         detail = f": {row.gate_reason}" if row.gate_reason else ""
@@ -82,8 +87,8 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
         return f"passes its gate but {what}: {speed_text(row)}"
     if objective == "speed" and row.name not in family:
         return (f"passes its gate and its interval is above 1 ({speed_text(row)}), but not "
-                f"after Holm's correction over the {len(family) or 'several'} variants compared "
-                "(one of several shown faster by chance is likely): more repeats settle it")
+                f"after Holm's correction over the {n_compared} variants compared (one of several "
+                "shown faster by chance is likely): more repeats settle it")
     return None
 
 
@@ -97,7 +102,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     for row in rows:
         if row.name == BASELINE:
             continue
-        why = _why_not(row, objective, family, base)
+        why = _why_not(row, objective, family, base, len(compared(rows)))
         if why is None:
             eligible.append(row)
         else:

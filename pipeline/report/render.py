@@ -185,10 +185,12 @@ def capacity_lines(comparison: Comparison) -> list[str]:
         objective += f" ({searched['objective_basis']})"
     where = comparison.hardware or "the machine of the bench run"
     if objective:
-        out.append(f"users @objective: the highest max concurrency measured to meet {objective} "
-                   f"(searched, each point repeated; measured on {where}); its cost: the "
-                   "hourly price of the devices that run's server used over the output tokens/s "
-                   "measured there [from the repeats' min-max]")
+        out.append(f"users @objective: the highest max concurrency shown to meet {objective} "
+                   "(searched, each point run until its attainment's exact bounds decide, "
+                   f"[range] up to the load below the first shown to miss; measured on {where}); "
+                   "its cost: the hourly price of the devices that run's server used over the "
+                   "output tokens/s measured there [from the slowest run there to the fastest at "
+                   "the first load shown to miss; <= a bound where the search was censored]")
     rated = next((r.rate_capacity for r in comparison.rows if r.rate_capacity), {})
     if rated.get("objective"):
         basis = f" ({rated['objective_basis']})" if rated.get("objective_basis") else ""
