@@ -308,3 +308,17 @@ def test_an_auto_first_rate_is_half_what_one_user_at_a_time_sends(tmp_path):
     ready = derive(w, result)
     assert ready.rate_start == 1.0 and ready.slo.ttft_ms == 400.0  # 1 / 0.5 s / 2; 4 x 100 ms
     assert ready.rate_ceiling == 64.0  # at least 64x the start
+
+
+def test_a_derived_first_rate_is_what_the_figures_and_the_table_use(tmp_path):
+    """An ``auto`` first rate is derived in the run: the recorded search keeps the rates it
+    used, and the figures are in them, not in the file's unset start."""
+    from pipeline.core import tracking
+
+    w = workloads.load(str(_write(tmp_path, RATE.replace("rate_start: 1", "rate_start: auto"))))
+    assert w.rate_start == 0
+    found, _ = search_with(step_curve(7), ceiling=17, bracket_step=4)
+    found.update(rate_start=0.75, rate_ceiling=48.0)
+    figures = capacity_figures(found, {}, w, {})
+    assert figures[tracking.SLO_MAX_REQUEST_RATE] == pytest.approx(0.75 * 2 ** 1.5)
+    assert figures["points"]["1"]["rate"] == 0.75

@@ -374,8 +374,10 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                      f"{point.sent} so far" + (f": {point.verdict})" if point.verdict else ")"))
     for name, search in searches.items():
         if name in live:
+            rates = {"rate_start": workload.rate_start, "rate_ceiling": workload.rate_ceiling} \
+                if workload.by_rate else {}  # as derived: the levels' rates
             found = records[name].searches[workload.name] = {
-                **search.result(), "slo": workload.slo.model_dump(),
+                **search.result(), "slo": workload.slo.model_dump(), **rates,
                 "ceiling_from": "the KV cache" if not (workload.search_ceiling or workload.by_rate)
                 else "the workload"}
             upper = found["capacity_high"]

@@ -3,6 +3,7 @@ MLflow runs (``bench:<model>``, every load point a step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -175,6 +176,9 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
     point's SLO attainment, and what limits the capacity."""
     slo = Objective.model_validate(found["slo"]) if found.get("slo") else workload.slo
     assert slo is not None
+    if found.get("rate_start"):  # the rates the search used (an ``auto`` start, derived)
+        workload = dataclasses.replace(workload, rate_start=found["rate_start"],
+                                       rate_ceiling=found["rate_ceiling"])
     best = found["max_concurrency"]
     at = points.get(best, {})
     out = {"objective": slo.describe(), "objective_basis": slo.basis, "workload": workload.name,

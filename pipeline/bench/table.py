@@ -104,9 +104,11 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
         "objective_basis") else ""
     ceiling = workload.search_ceiling or "what each model's KV cache holds"
     arrivals = "Poisson" if workload.burstiness == 1 else f"gamma ({workload.burstiness:g})"
+    start = searched[0].get("rate_start", workload.rate_start) if searched else 0
+    ceiling_rate = searched[0].get("rate_ceiling", workload.rate_ceiling) if searched else 0
     searched_how = (f"the highest {arrivals} arrival rate shown to meet {objective}{basis} "
-                    f"(searched from {workload.rate_start:g} req/s, doubling up to "
-                    f"{workload.rate_ceiling:g}, then bisected to steps of "
+                    f"(searched from {start:.3g} req/s, doubling up to {ceiling_rate:.3g}, "
+                    "then bisected to steps of "
                     f"{2 ** workload.rate_step - 1:.0%}" if workload.by_rate else
                     f"the highest max concurrency shown to meet {objective}{basis} (searched 1, "
                     f"2, 4, ... up to {ceiling}, then bisected to one user")
