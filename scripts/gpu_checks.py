@@ -2,7 +2,7 @@
 
 Run by ``scripts/gpu_smoke.sh`` after setup, quantize, bench, eval and compare on a CUDA
 machine (reads ``$QPIPE_ARTIFACTS``, default ``artifacts/``); prints one line per check and
-exits 1 if any failed. Every check names the issue item it covers (GPU path: 1-14).
+exits 1 if any failed. Every check says, in words, the behaviour it covers.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         assert stats[f"{tracking.OUTPUT_TOKENS_PER_S}_min"] <= stats[
             tracking.OUTPUT_TOKENS_PER_S] <= stats[f"{tracking.OUTPUT_TOKENS_PER_S}_max"]
         assert entry.peak_memory_bytes > 100e6
-        # The planner's prediction of vLLM's KV cache (issue: within 1%).
+        # The planner's prediction of vLLM's KV cache (the goal: within 1%).
         assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
         assert entry.kv[tracking.KV_CACHE_TOKENS] == entry.kv[capacity.KV_CACHE_TOKENS]
         # the speed sweep is cold: the engine's counters saw prompts and not one cache hit

@@ -70,7 +70,7 @@ def test_every_recipe_quantizes_reloads_and_generates(
     assert manifest.peak_rss_bytes > 0 and manifest.quantize_seconds > 0
     assert Manifest.read(out / Manifest.FILE) == manifest == Manifest.load(base.name, name)
 
-    # The capacity planner predicts these bytes from config.json alone (issue: within 3%).
+    # The capacity planner predicts these bytes from config.json alone (the goal: within 3%).
     arch = capacity.parse_architecture(config)
     planned = capacity.estimate_weights(
         arch, precision, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
