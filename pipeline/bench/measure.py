@@ -386,7 +386,6 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                      f"{workload.load_text(found['max_concurrency'])} (range up to {top})")
 
 
-
 def derive(workload: Workload, result: dict[str, Any]) -> Workload:
     """The workload with its ``auto`` bounds and ``auto`` first rate set from the baseline's
     single-request run ``result``: the rate search starts at half of what one user at a time
@@ -409,10 +408,17 @@ def ceiling_for(workload: Workload, record: ModelRecord) -> int:
         return workload.levels
     if workload.search_ceiling:
         return workload.search_ceiling
-    block = int(record.kv.get("kv_block_size") or 1)
-    tokens = int(record.kv.get(tracking.KV_CACHE_TOKENS) or 0)
-    per_request = -(-workload.max_tokens_per_request // block) * block
-    return max(1, min(AUTO_CEILING, tokens // per_request)) if tokens else 32
+    held = requests_held(record.kv, workload.max_tokens_per_request)
+    return max(1, min(AUTO_CEILING, held)) if held is not None else 32
+
+
+def requests_held(kv: dict[str, Any], tokens_per_request: int) -> int | None:
+    """How many requests of ``tokens_per_request`` tokens the engine's KV cache (``kv``, as
+    :func:`record_engine` keeps it) holds at once, each in whole blocks; None when the engine
+    reported none."""
+    block = int(kv.get("kv_block_size") or 1)
+    tokens = int(kv.get(tracking.KV_CACHE_TOKENS) or 0)
+    return tokens // (-(-tokens_per_request // block) * block) if tokens else None
 
 
 def _drop(live: dict[str, VllmServer], name: str, records: dict[str, ModelRecord],

@@ -8,7 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
-from pipeline.bench.measure import ModelRecord, speed_ratios
+from pipeline.bench.measure import ModelRecord, requests_held, speed_ratios
 from pipeline.bench.slo import Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
@@ -183,22 +183,21 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
     at = points.get(best, {})
     out = {"objective": slo.describe(), "objective_basis": slo.basis, "workload": workload.name,
            **{k: v for k, v in found.items() if k != "slo"},
-           tracking.SLO_MAX_CONCURRENCY: best,
            "bounds": {_latency_key(m, slo.percentile): v for m, v in slo.bounds().items()},
-           "points": {str(c): p for c, p in found["points"].items()}}
-    if found.get("capacity_high") is not None:
-        out[tracking.SLO_CAPACITY_HIGH] = found["capacity_high"]
-    out["traffic"] = traffic_model(workload)
-    if workload.by_rate:  # the levels as arrival rates: requests/s at the objective
+           "points": {str(c): p for c, p in found["points"].items()},
+           "traffic": traffic_model(workload)}
+    high = found.get("capacity_high")
+    if workload.by_rate:  # its levels are arrival rates, not concurrencies: requests/s
         out["search_by"] = "rate"
         out[tracking.SLO_MAX_REQUEST_RATE] = workload.rate_of(best) if best else 0.0
-        if found.get("capacity_high") is not None:
-            out[tracking.SLO_REQUEST_RATE_HIGH] = workload.rate_of(found["capacity_high"])
+        if high is not None:
+            out[tracking.SLO_REQUEST_RATE_HIGH] = workload.rate_of(high)
         out["points"] = {c: {**p, "rate": workload.rate_of(int(c))}
                          for c, p in out["points"].items()}
-        # its levels are not concurrencies: no slo_max_concurrency from it
-        out.pop(tracking.SLO_MAX_CONCURRENCY)
-        out.pop(tracking.SLO_CAPACITY_HIGH, None)
+    else:
+        out[tracking.SLO_MAX_CONCURRENCY] = best
+        if high is not None:
+            out[tracking.SLO_CAPACITY_HIGH] = high
     if best in found["points"]:
         out[tracking.SLO_ATTAINMENT] = found["points"][best]["attainment"]
         out[tracking.SLO_ATTAINMENT_LOW] = found["points"][best]["low"]
@@ -239,10 +238,7 @@ def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workl
                 "objective (raise search_ceiling)")
     miss = found.get("first_miss")
     at_miss = points.get(miss, {}) if miss else {}
-    block = int(kv.get("kv_block_size") or 1)
-    tokens = int(kv.get(tracking.KV_CACHE_TOKENS) or 0)
-    per_request = -(-workload.max_tokens_per_request // block) * block
-    holds = tokens // per_request if tokens and not workload.by_rate else None
+    holds = None if workload.by_rate else requests_held(kv, workload.max_tokens_per_request)
     if at_miss.get(tracking.PREEMPTIONS, 0) > 0 or (holds is not None and miss and holds < miss):
         return (f"the KV cache: it holds {holds if holds is not None else '?'} requests of up "
                 f"to {workload.max_tokens_per_request} tokens; "

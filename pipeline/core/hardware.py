@@ -121,15 +121,29 @@ class Profile:
         data.update(key=self.key(), kernel_library=self.kernel_library, summary=self.describe())
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], target: str) -> Profile:
+        """A profile read back from :meth:`as_dict` as a run recorded it (``target`` where the
+        record lacks one; missing facts left empty)."""
+        gpus = tuple(Gpu(g.get("name", "?"), g.get("memory_mib"), g.get("compute_capability", ""))
+                     for g in data.get("gpus") or ())
+        return cls(target=data.get("target", target), machine=data.get("machine", ""),
+                   cpu_model=data.get("cpu_model", "?"), cores=int(data.get("cores") or 0),
+                   cpu_flags=tuple(data.get("cpu_flags") or ()),
+                   vllm_cpu_isa=data.get("vllm_cpu_isa", "native"), vllm=data.get("vllm", ""),
+                   gpus=gpus)
 
-def serving_devices(prof: Profile, tensor_parallel: int = 1,
-                    pipeline_parallel: int = 1) -> dict[str, Any]:
+
+def serving_devices(prof: Profile, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                    visible: str | None = None) -> dict[str, Any]:
     """What one server of a bench run uses, as its price is computed from: on a GPU host the
-    card (its name and memory), TP x PP of them, and whether it is a MIG slice; on a CPU host
-    the host itself. Not every GPU the host has: an 8-GPU node's TP = 1 server uses one."""
+    card (its name and memory), TP x PP of them, and whether it is a MIG slice (``visible``:
+    the CUDA_VISIBLE_DEVICES the servers saw, this process's by default); on a CPU host the
+    host itself. Not every GPU the host has: an 8-GPU node's TP = 1 server uses one."""
     if prof.target == "cuda" and prof.gpus:
         gpu = prof.gpus[0]
-        mig = "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", "") or gpu.memory_mib is None
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
+        mig = "MIG-" in seen or gpu.memory_mib is None
         return {"unit": "gpu", "kind": gpu.name, "memory_mib": gpu.memory_mib,
                 "count": tensor_parallel * pipeline_parallel, "mig": mig,
                 "host_gpus": len(prof.gpus), "key": prof.key()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.core import tracking
+from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, CostTarget, Row
 from pipeline.plan import capacity
 from pipeline.plan.accelerators import detect as detect_accelerator
@@ -24,20 +24,14 @@ USD_PER_MTOK = "usd_per_million_output_tokens"
 
 def devices_of(summary: BenchSummary) -> dict[str, Any]:
     """The devices a bench run's servers used: its own record, or for a run recorded before
-    runs kept one, its hardware profile with the engine's TP x PP."""
+    runs kept one, its hardware profile with the engine's TP x PP (a MIG slice known only by
+    its unreported memory)."""
     if summary.devices:
         return dict(summary.devices)
-    hw, engine = summary.hardware, summary.engine
-    gpus = hw.get("gpus") or []
-    if summary.target == "cuda" and gpus:
-        return {"unit": "gpu", "kind": gpus[0].get("name", "?"),
-                "memory_mib": gpus[0].get("memory_mib"),
-                "count": int(engine.get("tensor_parallel_size") or 1)
-                * int(engine.get("pipeline_parallel_size") or 1),
-                "mig": gpus[0].get("memory_mib") is None, "host_gpus": len(gpus),
-                "key": hw.get("key", "")}
-    return {"unit": "host", "kind": f"{hw.get('cpu_model', '?')} ({hw.get('cores', '?')} cores)",
-            "count": 1, "mig": False, "key": hw.get("key", "")}
+    engine = summary.engine
+    return hardware.serving_devices(hardware.Profile.from_dict(summary.hardware, summary.target),
+                                    int(engine.get("tensor_parallel_size") or 1),
+                                    int(engine.get("pipeline_parallel_size") or 1), visible="")
 
 
 def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
@@ -62,12 +56,19 @@ def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
                       "figure, set yours: PRICE_PER_HOUR=)"}
 
 
+def price_basis(priced: dict[str, Any]) -> str:
+    """``example`` (a price the user did not set), ``set``, or "" where there is no price."""
+    if not priced:
+        return ""
+    return "example" if priced.get("example", True) else "set"
+
+
 def price_text(priced: dict[str, Any]) -> str:
     """``$0.1/h example price`` or ``$7/h``: a price never shown without saying whose."""
     value = priced.get("price_per_hour")
     if value is None:
         return "no price"
-    return f"${value:g}/h" + (" example price" if priced.get("example", True) else "")
+    return f"${value:g}/h" + (" example price" if price_basis(priced) == "example" else "")
 
 
 def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> float:
@@ -150,12 +151,12 @@ def cheaper(variant: dict[str, Any], baseline: dict[str, Any]) -> tuple[bool | N
                   f"{range_text(baseline)}")
 
 
-def range_text(c: dict[str, Any], prefix: str = "") -> str:
+def range_text(c: dict[str, Any], prefix: str = "", unit: str = "$") -> str:
     """``$0.12 [0.10-0.15]``, or ``<= $0.15`` for a censored capacity's bound (``prefix``:
-    ``rate_`` for the rate search's)."""
+    ``rate_`` for the rate search's; ``unit: ""`` where a column header says USD)."""
     key = prefix + USD_PER_MTOK
     if key not in c:
         return "-"
     if c.get(prefix + "cost_bound") == "upper":
-        return f"<= ${c[key + '_max']:.2f}"
-    return f"${c[key]:.2f} [{c[key + '_min']:.2f}-{c[key + '_max']:.2f}]"
+        return f"<= {unit}{c[key + '_max']:.2f}"
+    return f"{unit}{c[key]:.2f} [{c[key + '_min']:.2f}-{c[key + '_max']:.2f}]"

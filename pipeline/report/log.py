@@ -11,6 +11,7 @@ from pathlib import Path
 from pipeline.core import hardware, provenance, tracking
 from pipeline.core.artifacts import Comparison, Row
 from pipeline.core.variant import BASELINE
+from pipeline.report.cost import price_basis
 from pipeline.report.render import recommendation_line
 
 STAGE = "campaign"
@@ -110,8 +111,7 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
             if row.eval_backend:
                 child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
             if row.price:  # a cost figure never without whose price it is
-                child_tags["price_basis"] = ("example" if row.price.get("example", True)
-                                             else "set")
+                child_tags["price_basis"] = price_basis(row.price)
                 child_tags["price_source"] = str(row.price.get("source", ""))[:500]
             with mlflow.start_run(run_name=f"variant:{row.name}", nested=True, tags=child_tags):
                 mlflow.log_params(_child_params(comparison, row))

@@ -46,12 +46,6 @@ def compared(rows: list[Row]) -> dict[str, float]:
             and (found := speedup_of(r.headline)) is not None}
 
 
-def shown_faster(rows: list[Row]) -> set[str]:
-    """The variants whose "faster" survives Holm's correction over every variant with a
-    measured, comparable speedup: the family a recommendation is chosen from."""
-    return holm(compared(rows))
-
-
 def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None,
              n_compared: int = 0) -> str | None:
     """Why ``row`` cannot be recommended for ``objective``; None when it can."""
@@ -97,12 +91,15 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     suite, were served here and were measured in the comparison's reference run; else why
     none does, variant by variant."""
     eligible, why_not = [], []
-    family = shown_faster(rows)
+    p_values = compared(rows)
+    # the family a recommendation is chosen from: "faster" surviving Holm's correction over
+    # every variant with a measured, comparable speedup
+    family = holm(p_values)
     base = next((r for r in rows if r.name == BASELINE), None)
     for row in rows:
         if row.name == BASELINE:
             continue
-        why = _why_not(row, objective, family, base, len(compared(rows)))
+        why = _why_not(row, objective, family, base, len(p_values))
         if why is None:
             eligible.append(row)
         else:

@@ -16,7 +16,7 @@ from pipeline.core.artifacts import EMULATED, Comparison, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
-from pipeline.report.cost import USD_PER_MTOK, price_text, range_text
+from pipeline.report.cost import USD_PER_MTOK, price_basis, price_text, range_text
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -78,7 +78,7 @@ def _capacity_cell(row: Row, field: str = "capacity") -> str:
 
 
 def _cost_cell(row: Row, prefix: str = "") -> str:
-    return range_text(row.cost, prefix).lstrip("$").replace("<= $", "<= ")
+    return range_text(row.cost, prefix, unit="")
 
 
 def _price_label(comparison: Comparison) -> str:
@@ -332,8 +332,7 @@ def csv_text(comparison: Comparison) -> str:
             "kl_div_mean": row.divergence.get("kl_div_mean"),
             "predicted_kl": row.search.get("predicted_kl"),
             "price_per_hour": row.price.get("price_per_hour"),
-            "price_basis": ("" if not row.price else
-                            "example" if row.price.get("example", True) else "set")}
+            "price_basis": price_basis(row.price)}
         for key in CSV_FIELDS:
             for source in (h, row.capacity, row.rate_capacity, row.cost):
                 if key in source and key not in record:
