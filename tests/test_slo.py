@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from pipeline.bench import workloads
-from pipeline.bench.slo import MEETS, MISSES, UNDECIDED, CapacitySearch, Objective
+from pipeline.bench.slo import MEETS, MISSES, UNDECIDED, CapacitySearch, Objective, start_wave
 from pipeline.bench.summary import capacity_figures
 from pipeline.calibrate.scenarios import attainment_curve
 from pipeline.core.errors import ConfigError
@@ -119,15 +119,39 @@ def test_attainment_counts_requests_within_every_bound_as_vllms_goodput_does():
         objective.attainment({"p90_ttft_ms": 100.0})
 
 
+def test_a_closed_loops_start_up_wave_is_not_counted():
+    """At concurrency 3 the three users send at once (t = 0) and share one slow prefill, as
+    vLLM's client records it; the next requests start as responses complete."""
+    objective = Objective(ttft_ms=500, percentile=90)
+    result = _detailed(ttfts=[0.8, 0.8, 0.8, 0.2, 0.3, 0.2, 0.6],
+                       latencies=[1.0, 1.0, 1.1, 0.5, 0.6, 0.5, 0.9], output_lens=[9] * 7)
+    result["start_times"] = [10.0, 10.0, 10.001, 11.0, 11.001, 11.1, 11.5]
+    assert start_wave(result) == {0, 1, 2}
+    assert objective.attainment(result) == (3, 7)
+    assert objective.attainment(result, skip_start=True) == (3, 4)
+    # a failed request ends nothing: the wave ends at the first response complete
+    failed = {**result, "latencies": [0.0, 1.0, 1.1, 0.5, 0.6, 0.5, 0.9],
+              "errors": ["reset", "", "", "", "", "", ""]}
+    assert start_wave(failed) == {0, 1, 2}
+    # a run without send times: its first max_concurrency requests
+    older = {k: v for k, v in result.items() if k != "start_times"} | {"max_concurrency": 3}
+    assert start_wave(older) == {0, 1, 2}
+
+
 def test_a_search_that_cannot_show_its_percentile_is_refused_naming_the_way_out(tmp_path):
     assert Objective(ttft_ms=1, percentile=99).min_requests(4) == 437
     assert Objective(ttft_ms=1, percentile=90).min_requests(4) == 42
     path = _write(tmp_path, BASE + "slo: {ttft_ms: 300, percentile: 99}\nmin_prompts: 24\n"
                   "repeats: 3\n")
-    with pytest.raises(ConfigError, match=r"percentile 99 .* at least 408 requests .* at "
-                                          r"most 72 \(3 runs x 24\)") as err:
+    # 4 requests per user: at 6 users 24 sent, 18 counted past the start-up wave
+    with pytest.raises(ConfigError, match=r"percentile 99 .* at least 408 requests .* as few "
+                                          r"as 54 \(3 runs x 18 at concurrency 6\)") as err:
         workloads.load(str(path))
-    assert str(path) in str(err.value) and "min_prompts or repeats" in str(err.value)
+    assert str(path) in str(err.value) and "min_prompts, prompts_per_concurrency or repeats" \
+        in str(err.value)
+    with pytest.raises(ConfigError, match="at least 2 requests per run"):
+        workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 99\n"
+                                  "prompts_per_concurrency: 1\n")))
     w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 24\n"
                                   "repeats: 4\n")))
     with pytest.raises(ConfigError, match="REPEATS="):
@@ -230,7 +254,7 @@ def _points(ttft_at_miss: float, preemptions: float = 0.0) -> dict[int, dict[str
 
 def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
     w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 500}\n" + ENOUGH)))
-    point = {"good": 48, "sent": 48, "runs": 2, "attainment": 1.0, "low": 0.91, "high": 1.0,
+    point = {"good": 48, "counted": 48, "runs": 2, "attainment": 1.0, "low": 0.91, "high": 1.0,
              "verdict": MEETS}
     found = {"max_concurrency": 4, "capacity_high": 4, "censored": False, "first_miss": 5,
              "ceiling": 32, "points": {4: point, 5: {**point, "good": 0, "verdict": MISSES}}}

@@ -366,12 +366,13 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
             except ServeError as err:
                 _drop(live, name, records, err, pool)
                 continue
-            good, sent = workload.slo.attainment(result)
-            search.record(concurrency, good, sent)
+            # a closed loop's start-up wave is not counted; Poisson arrivals are not a wave
+            good, counted = workload.slo.attainment(result, skip_start=not workload.by_rate)
+            search.record(concurrency, good, counted)
             point = search.points[concurrency]
             log.info(f"{name}: {workload.name} {workload.load_text(concurrency)} run "
-                     f"{repeat + 1}: {good}/{sent} within the objective ({point.good}/"
-                     f"{point.sent} so far" + (f": {point.verdict})" if point.verdict else ")"))
+                     f"{repeat + 1}: {good}/{counted} within the objective ({point.good}/"
+                     f"{point.counted} so far" + (f": {point.verdict})" if point.verdict else ")"))
     for name, search in searches.items():
         if name in live:
             rates = {"rate_start": workload.rate_start, "rate_ceiling": workload.rate_ceiling} \

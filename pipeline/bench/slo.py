@@ -5,19 +5,22 @@ request's mean inter-token gap, the per-request terms of ``vllm bench serve --go
 asks that a share of requests meet every bound: its SLO attainment, the field's measure
 (DistServe; GuideLLM's goodput). ``percentile: 90`` asks for 90% of requests within the bounds.
 
-Each load point's attainment is counted over its runs' requests (vLLM's ``--save-detailed``
-per-request figures) and decided sequentially: "meets" once the exact (Clopper-Pearson) lower
-bound clears the target, "misses" once the upper bound is below it, each look at ALPHA split
+Each load point's attainment is counted over its runs' requests (vLLM's ``--save-detailed`` per-
+request figures) in steady state: at a fixed concurrency the first requests of a run are sent all
+at once and prefilled together, and that start-up wave is not counted (:func:`start_wave`; measured
+on the 2-core CPU, it was nearly every miss below the knee, and whether a wave crossed the bound
+decided a whole run). The point is decided sequentially: "meets" once the exact (Clopper-Pearson)
+lower bound clears the target, "misses" once the upper bound is below it, each look at ALPHA split
 evenly over the point's allowed runs; a point still straddling the target after them is
 "undecided". The search is over max concurrency: bracket (1, 2, 4, ... up to a ceiling), then
-bisect to one user between the largest load shown to meet and the smallest shown to miss,
-probing around undecided points from both sides. The capacity is the largest load shown to meet
-(a conservative figure), with its range up to the load below the smallest shown to miss. It
-assumes attainment falls with load, as it does for a continuously batching engine once the
-machine is busy; every point visited is kept, so a non-monotone curve is visible in the figures.
-vLLM's own ``vllm bench sweep serve_workload`` walks a fixed grid with no objective and starts
-its own server; this search drives the same ``vllm bench serve`` runs against qpipe's servers,
-one run at a time, so that several models' searches interleave run by run.
+bisect to one user between the largest load shown to meet and the smallest shown to miss, probing
+around undecided points from both sides. The capacity is the largest load shown to meet (a
+conservative figure), with its range up to the load below the smallest shown to miss. It assumes
+attainment falls with load, as it does for a continuously batching engine once the machine is busy;
+every point visited is kept, so a non-monotone curve is visible in the figures. vLLM's own ``vllm
+bench sweep serve_workload`` walks a fixed grid with no objective and starts its own server; this
+search drives the same ``vllm bench serve`` runs against qpipe's servers, one run at a time, so
+that several models' searches interleave run by run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pipeline.core.shares import share_bounds
 
 ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
 MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
+# what a search counts; part of a bench run's cache key, so a change re-measures
+COUNTED = "requests past each closed-loop run's start-up wave"
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # what `vllm bench serve --goodput` accepts
@@ -109,19 +114,21 @@ class Objective(BaseModel):
         values = {"ttft": ttft_s, "tpot": tpot, "itl": mean_itl, "e2el": latency_s}
         return all(values[m] * 1000 <= bound for m, bound in self.bounds().items())
 
-    def attainment(self, result: dict[str, Any]) -> tuple[int, int]:
-        """(requests within every bound, requests sent) of one client run, from its saved
-        per-request figures (``--save-detailed``); a failed request is one that missed."""
+    def attainment(self, result: dict[str, Any], skip_start: bool = False) -> tuple[int, int]:
+        """(requests within every bound, requests counted) of one client run, from its saved
+        per-request figures (``--save-detailed``); a failed request is one that missed.
+        ``skip_start``: the run's start-up wave (:func:`start_wave`) is not counted."""
         ttfts = result.get("ttfts")
         if ttfts is None:
             raise ValueError("the client run kept no per-request figures (--save-detailed)")
         errors = result.get("errors") or [""] * len(ttfts)
-        good = sum(
-            1 for ttft, latency, itls, out, err in zip(
-                ttfts, result["latencies"], result["itls"], result["output_lens"], errors,
-                strict=True)
-            if not err and out and self.request_meets(ttft, latency, itls or [], out))
-        return good, len(ttfts)
+        skipped = start_wave(result) if skip_start else set()
+        rows = [row for i, row in enumerate(zip(ttfts, result["latencies"], result["itls"],
+                                                result["output_lens"], errors, strict=True))
+                if i not in skipped]
+        good = sum(1 for ttft, latency, itls, out, err in rows
+                   if not err and out and self.request_meets(ttft, latency, itls or [], out))
+        return good, len(rows)
 
     def min_requests(self, looks: int, alpha: float = ALPHA) -> int:
         """The fewest requests at one load point that can show it meets the target, all of
@@ -144,6 +151,24 @@ class Objective(BaseModel):
             elif value > bound:
                 out.append(f"{metric.upper()} p{self.percentile} {value:.0f} ms > {bound:g}")
         return out
+
+
+def start_wave(result: dict[str, Any]) -> set[int]:
+    """The requests of one client run sent before any response was complete: at a fixed
+    concurrency the client's users all send at once when the run starts, and that wave is
+    prefilled together (on the 2-core CPU its requests shared one TTFT, 2-3x the steady
+    state's). It is the load generator's start, not the load a server sees from that many
+    users, so the search does not count it (GuideLLM's ``--warmup`` likewise). Where the run
+    kept no send times, the first ``max_concurrency`` requests."""
+    starts, latencies = result.get("start_times"), result["latencies"]
+    errors = result.get("errors") or [""] * len(latencies)
+    if not starts:
+        return set(range(min(len(latencies), int(result.get("max_concurrency") or 0))))
+    ends = [s + lat for s, lat, err in zip(starts, latencies, errors, strict=True) if not err]
+    if not ends:
+        return set()
+    first_end = min(ends)
+    return {i for i, s in enumerate(starts) if s < first_end}
 
 
 def _round_up(value: float) -> float:
@@ -172,19 +197,19 @@ class Point:
 
     concurrency: int
     good: int = 0
-    sent: int = 0
+    counted: int = 0  # requests counted (sent, less each run's start-up wave)
     runs: int = 0
     verdict: str | None = None  # meets | misses | undecided; None while it runs
 
     def bounds(self, alpha: float) -> tuple[float, float]:
         """The exact one-sided bounds of its attainment, each at ``alpha``."""
-        return share_bounds(self.good, self.sent, alpha)
+        return share_bounds(self.good, self.counted, alpha)
 
     def look(self, target: float, alpha: float, last: bool) -> str | None:
         low, high = self.bounds(alpha)
-        if self.sent and low >= target:
+        if self.counted and low >= target:
             return MEETS
-        if self.sent and high < target:
+        if self.counted and high < target:
             return MISSES
         return UNDECIDED if last else None
 
@@ -237,9 +262,10 @@ class CapacitySearch:
         point = self.points.setdefault(self._current, Point(self._current))
         return self._current, point.runs
 
-    def record(self, concurrency: int, good: int, sent: int) -> None:
+    def record(self, concurrency: int, good: int, counted: int) -> None:
         point = self.points[concurrency]
-        point.good, point.sent, point.runs = point.good + good, point.sent + sent, point.runs + 1
+        point.good, point.counted = point.good + good, point.counted + counted
+        point.runs += 1
         point.verdict = point.look(self.target, self.alpha_look, point.runs >= self.max_runs)
         if point.verdict is not None:
             self._current = self._next_concurrency()
@@ -272,8 +298,8 @@ class CapacitySearch:
         points = {}
         for c, p in sorted(self.points.items()):
             lo, hi = p.bounds(self.alpha_look)
-            points[c] = {"good": p.good, "sent": p.sent, "runs": p.runs,
-                         "attainment": p.good / p.sent if p.sent else 0.0,
+            points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs,
+                         "attainment": p.good / p.counted if p.counted else 0.0,
                          "low": lo, "high": hi, "verdict": p.verdict or UNDECIDED}
         return {"max_concurrency": low, "capacity_high": high - 1 if high is not None else None,
                 "censored": high is None, "first_miss": high, "ceiling": self.ceiling,

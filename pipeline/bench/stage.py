@@ -13,7 +13,7 @@ import hashlib
 import json
 from datetime import datetime, timezone
 
-from pipeline.bench import reference
+from pipeline.bench import reference, slo
 from pipeline.bench import workloads as workloads_mod
 from pipeline.bench.measure import ModelRecord, measure, recall_unsupported, steps_for
 from pipeline.bench.settings import BenchSettings
@@ -40,6 +40,7 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                "workloads": [{**dataclasses.asdict(w), "path": w.name, "prompts": "",
                               "trace": ""} for w in loads],
                "engine": settings.identity(), "target": target, "vllm": vllm_version(),
+               "attainment": slo.COUNTED,
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
                           ).hexdigest()[:16]

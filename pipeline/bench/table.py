@@ -73,7 +73,8 @@ def capacity_range(capacity: dict) -> str:
 def point_text(concurrency: str | int, point: dict) -> str:
     """``12: 58/60 = 97% [91-100%] meets``: a load point's attainment, bounds and verdict."""
     where = f"{point['rate']:.3g}/s" if "rate" in point else str(concurrency)
-    return (f"{where}: {point['good']}/{point['sent']} = {point['attainment']:.0%} "
+    counted = point.get("counted", point.get("sent"))  # "sent": before start waves were left out
+    return (f"{where}: {point['good']}/{counted} = {point['attainment']:.0%} "
             f"[{point['low']:.0%}-{point['high']:.0%}] {point['verdict']}")
 
 

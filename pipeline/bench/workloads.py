@@ -145,6 +145,11 @@ class Workload:
                    if self.min_output_tokens and self.output_len else 0)
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
 
+    def counted(self, concurrency: int) -> int:
+        """Requests per run a search counts: a closed loop's start-up wave (its
+        ``concurrency`` requests sent at once, :func:`slo.start_wave`) is left out."""
+        return self.num_prompts(concurrency) - (0 if self.by_rate else concurrency)
+
     def seed_for(self, concurrency: int, repeat: int) -> int:
         """Distinct prompts for every repeat and load point; the same for every model."""
         return self.seed + 1000 * repeat + concurrency
@@ -356,14 +361,25 @@ def check_search(workload: Workload) -> None:
     if slo is None:
         return
     need = slo.min_requests(workload.repeats)
-    most = workload.num_prompts(1) * workload.repeats
+    if not workload.by_rate and workload.prompts_per_concurrency < 2:
+        raise ConfigError(
+            f"{workload.path}: prompts_per_concurrency {workload.prompts_per_concurrency}: a "
+            "capacity search does not count each run's start-up wave (the first request of "
+            "each user), so each user must send at least 2 requests per run; set "
+            "prompts_per_concurrency: 3.")
+    # the fewest a point can count: at one user, or where min_prompts stops mattering
+    top = min(workload.min_prompts + 1, workload.search_ceiling or workload.min_prompts + 1)
+    lows = range(1, top + 1) if not workload.by_rate else (1,)
+    fewest = min(lows, key=workload.counted)
+    most = workload.counted(fewest) * workload.repeats
     if most < need:
         raise ConfigError(
             f"{workload.path}: slo percentile {slo.percentile} asks that {slo.percentile}% of "
             f"requests meet the objective; showing it at one load point takes at least {need} "
-            f"requests (none missing), but a point here gets at most {most} ({workload.repeats} "
-            f"runs x {workload.num_prompts(1)}). Raise min_prompts or repeats (REPEATS=), or "
-            "lower the percentile.")
+            f"requests (none missing), but a point here counts as few as {most} "
+            f"({workload.repeats} runs x {workload.counted(fewest)} at "
+            f"{workload.load_text(fewest)}). Raise min_prompts, prompts_per_concurrency or "
+            "repeats (REPEATS=), or lower the percentile.")
 
 
 def _request_file(path: Path, data: dict[str, Any], key: str, what: str, shape: str,
