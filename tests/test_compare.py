@@ -25,7 +25,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
 from pipeline.report import compare, cost, plots
 from pipeline.report import render as report
-from pipeline.report.recommend import recommend
+from pipeline.report.recommend import compared, recommend
 
 
 def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
@@ -94,6 +94,24 @@ def test_a_slower_variant_or_one_not_shown_faster_is_never_shipped_for_speed() -
     small.weight_bytes = 113_000_000
     best, reason = recommend([_baseline(), slower, straddles, small], "memory")
     assert best == "int4" and "objective memory" in reason
+
+
+def test_holms_family_is_the_variants_that_pass_their_gates() -> None:
+    """p = 0.02 for "faster": not enough over four variants (0.02 > 0.05 / 4), enough over the
+    two the gate lets through (0.02 <= 0.05 / 2); the gate decided on scores, not speed."""
+    rows = [_baseline()]
+    for name, status in (("int8", gate.PASS), ("fp8", gate.PASS), ("int4", gate.FAIL),
+                         ("w8a16", gate.INCONCLUSIVE)):
+        row = _row(name, 1.3, status)
+        row.headline[tracking.SPEEDUP_P_FASTER] = 0.02
+        rows.append(row)
+    assert set(compared(rows)) == {"int8", "fp8"}
+    best, _ = recommend(rows)
+    assert best in ("int8", "fp8")
+    for row in rows[3:]:
+        row.gate_status = gate.PASS
+    best, reason = recommend(rows)
+    assert best is None and "not after Holm's correction over the 4 variants that pass" in reason
 
 
 def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None:

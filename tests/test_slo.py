@@ -9,10 +9,19 @@ from dataclasses import replace
 import pytest
 
 from pipeline.bench import workloads
-from pipeline.bench.slo import MEETS, MISSES, UNDECIDED, CapacitySearch, Objective, start_wave
+from pipeline.bench.slo import (
+    MEETS,
+    MISSES,
+    UNDECIDED,
+    CapacitySearch,
+    Objective,
+    Point,
+    start_wave,
+)
 from pipeline.bench.summary import capacity_figures
 from pipeline.calibrate.scenarios import attainment_curve
 from pipeline.core.errors import ConfigError
+from pipeline.core.shares import share_bounds
 
 
 def step_curve(knee: int) -> Callable[[int], float]:
@@ -60,13 +69,34 @@ def test_a_point_runs_until_its_exact_bounds_clear_or_miss_the_target():
     assert search.points[1].verdict is None and search.next_run() == (1, 1)
     search.record(1, 24, 24)  # 48 of 48: 0.913 >= 0.9, shown to meet; no third run
     assert search.points[1].verdict == MEETS and search.next_run() == (2, 0)
-    search.record(2, 12, 24)  # half: the upper bound is far below 0.9, shown to miss at once
+    search.record(2, 12, 24)  # half: far below 0.9, but one run cannot show how runs vary
+    assert search.points[2].verdict is None and search.next_run() == (2, 1)
+    search.record(2, 11, 24)  # two runs: a t bound with one degree of freedom reaches 1
+    assert search.points[2].verdict is None and search.next_run() == (2, 2)
+    search.record(2, 12, 24)  # three that agree: shown to miss
     assert search.points[2].verdict == MISSES and search.done
     found = search.result()
     assert found["max_concurrency"] == 1 and found["capacity_high"] == 1
     assert found["points"][1]["good"] == 48 and found["points"][1]["runs"] == 2
     assert found["points"][1]["low"] >= 0.9 > found["points"][2]["high"]
     assert found["alpha_look"] == pytest.approx(0.05 / 4)
+
+
+def test_runs_that_disagree_keep_a_point_undecided_where_pooled_requests_would_not():
+    """Two runs at one load as measured on the 2-core CPU: 32 of 32, then 26 of 32 (and a
+    third at 31): pooled, 89 of 96 would clear 81% at once; the runs' spread keeps it open
+    until the shares agree."""
+    point = Point(16, looks=4)
+    point.per_run += [(32, 32), (26, 32), (31, 32)]
+    low, high = point.bounds(0.05)
+    pooled_low, _ = share_bounds(89, 96, 0.05 / 4)
+    assert low < pooled_low - 0.05 and high == 1.0
+    assert point.look(0.81, 0.05) is None  # pooled alone: 0.84 >= 0.81, "meets"
+    assert pooled_low >= 0.81
+    # runs that agree: the exact bound of their requests decides
+    steady = Point(16, looks=4)
+    steady.per_run += [(32, 32), (32, 32)]
+    assert steady.bounds(0.05) == share_bounds(64, 64, 0.05 / 4)
 
 
 def test_a_point_at_the_target_is_undecided_and_probed_around_from_both_sides():
@@ -81,10 +111,31 @@ def test_a_point_at_the_target_is_undecided_and_probed_around_from_both_sides():
 
 def test_a_model_that_misses_at_one_and_one_never_shown_to_miss():
     never, visited = search_with(step_curve(0), ceiling=32)
-    assert never["max_concurrency"] == 0 and visited == [1]  # 0 of 24 decides it at once
+    assert never["max_concurrency"] == 0 and visited == [1, 1]  # 0 of 24, twice
     always, _ = search_with(step_curve(1000), ceiling=32)
     assert always["max_concurrency"] == 32 and always["censored"]
     assert always["capacity_high"] is None
+
+
+def test_two_pilot_runs_decide_a_hopeless_model_in_eight_requests():
+    search = CapacitySearch(ceiling=32, target=0.9, max_runs=4, pilot=4)
+    assert search.next_run() == (1, 0) and search.is_pilot(1, 0)
+    search.record(1, 0, 4)
+    assert search.next_run() == (1, 1) and search.is_pilot(1, 1)
+    search.record(1, 0, 4)  # 0 of 8 over two runs: the upper bound is far below 0.9
+    assert search.points[1].verdict == MISSES and search.done
+    # a model that meets: the pilots are two more looks at that point (6, each at 0.83%),
+    # and only the first point has them
+    search = CapacitySearch(ceiling=2, target=0.9, max_runs=4, pilot=4)
+    for run, counted in enumerate((4, 4, 21)):
+        assert search.next_run() == (1, run)
+        search.record(1, counted, counted)
+    assert search.points[1].verdict is None  # 29 of 29: 0.0083 ** (1 / 29) = 0.85
+    assert search.next_run() == (1, 3) and not search.is_pilot(1, 3)
+    search.record(1, 21, 21)  # 50 of 50: 0.909
+    assert search.points[1].verdict == MEETS and search.next_run() == (2, 0)
+    assert not search.is_pilot(2, 0) and search.points[2].looks == 4
+    assert search.result()["points"][1]["looks"] == 6
 
 
 def test_a_start_above_one_that_misses_searches_downwards():
@@ -143,15 +194,17 @@ def test_a_search_that_cannot_show_its_percentile_is_refused_naming_the_way_out(
     assert Objective(ttft_ms=1, percentile=90).min_requests(4) == 42
     path = _write(tmp_path, BASE + "slo: {ttft_ms: 300, percentile: 99}\nmin_prompts: 24\n"
                   "repeats: 3\n")
-    # 4 requests per user: at 6 users 24 sent, 18 counted past the start-up wave
-    with pytest.raises(ConfigError, match=r"percentile 99 .* at least 408 requests .* as few "
-                                          r"as 54 \(3 runs x 18 at concurrency 6\)") as err:
+    with pytest.raises(ConfigError, match=r"percentile 99 .* at least 408 requests .* count "
+                                          r"only 72 \(3 runs x 24, past each run's start-up "
+                                          r"wave\)") as err:
         workloads.load(str(path))
-    assert str(path) in str(err.value) and "min_prompts, prompts_per_concurrency or repeats" \
-        in str(err.value)
-    with pytest.raises(ConfigError, match="at least 2 requests per run"):
-        workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 99\n"
-                                  "prompts_per_concurrency: 1\n")))
+    assert str(path) in str(err.value) and "min_prompts or repeats" in str(err.value)
+    # a search's run counts min_prompts past its start-up wave: one per user
+    w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 21\n"
+                                  "prompts_per_concurrency: 3\nrepeats: 4\nsearch_pilot: 4\n")))
+    assert [w.num_prompts(c) for c in (1, 8, 16)] == [22, 29, 48]
+    assert [w.counted(c) for c in (1, 8, 16)] == [21, 21, 32]
+    assert w.pilot_run().num_prompts(1) == 5 and w.pilot_run().counted(3) == 4
     w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 300}\nmin_prompts: 24\n"
                                   "repeats: 4\n")))
     with pytest.raises(ConfigError, match="REPEATS="):

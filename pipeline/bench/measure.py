@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.client import BenchClient, run_client
-from pipeline.bench.slo import CapacitySearch, single_request_figures
+from pipeline.bench.slo import PILOT, CapacitySearch, single_request_figures
 from pipeline.bench.workloads import AUTO_CEILING, Workload
 from pipeline.core import log as qlog
 from pipeline.core import tracking
@@ -344,7 +344,8 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
     assert workload.slo is not None
     searches = {name: CapacitySearch(ceiling_for(workload, records[name]), workload.slo.target,
                                      workload.repeats, workload.search_precision,
-                                     bracket_step=workload.doubling if workload.by_rate else 0)
+                                     bracket_step=workload.doubling if workload.by_rate else 0,
+                                     pilot=workload.search_pilot)
                 for name in live if workload.runs_on(name)}
     unit = "arrival rate" if workload.by_rate else "concurrency"
     log.info(f"{workload.name}: searching each model's highest {unit} with "
@@ -360,13 +361,16 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                 continue
             progressed = True
             concurrency, repeat = run
-            step = Step(workload, workload.name, repeat, concurrency, caching=False)
+            sent = workload.pilot_run() if search.is_pilot(concurrency, repeat) \
+                else workload
+            step = Step(sent, workload.name, repeat, concurrency, caching=False)
             try:
                 result = _load_point(client, live[name], records[name], step, out)
             except ServeError as err:
                 _drop(live, name, records, err, pool)
                 continue
             # a closed loop's start-up wave is not counted; Poisson arrivals are not a wave
+            result[PILOT] = sent is not workload
             good, counted = workload.slo.attainment(result, skip_start=not workload.by_rate)
             search.record(concurrency, good, counted)
             point = search.points[concurrency]

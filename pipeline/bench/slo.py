@@ -31,11 +31,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from scipy import stats
 
 from pipeline.core.shares import share_bounds
 
 ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
 MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
+MIN_RUNS = 2  # a load point's verdict rests on at least this many runs
+PILOT = "qpipe_pilot"  # marks a search's short first run: its throughput is no point's figure
 # what a search counts; part of a bench run's cache key, so a change re-measures
 COUNTED = "requests past each closed-loop run's start-up wave"
 
@@ -193,31 +196,63 @@ def single_request_figures(result: dict[str, Any]) -> dict[str, float]:
 
 @dataclass
 class Point:
-    """One load point of a search: its requests so far and their verdict."""
+    """One load point of a search: each run's requests (within the objective, counted) and
+    the point's verdict."""
 
     concurrency: int
-    good: int = 0
-    counted: int = 0  # requests counted (sent, less each run's start-up wave)
-    runs: int = 0
+    looks: int  # the most runs it may have; ALPHA is split evenly over them
+    per_run: list[tuple[int, int]] = field(default_factory=list)
     verdict: str | None = None  # meets | misses | undecided; None while it runs
 
-    def bounds(self, alpha: float) -> tuple[float, float]:
-        """The exact one-sided bounds of its attainment, each at ``alpha``."""
-        return share_bounds(self.good, self.counted, alpha)
+    @property
+    def good(self) -> int:
+        return sum(g for g, _ in self.per_run)
 
-    def look(self, target: float, alpha: float, last: bool) -> str | None:
+    @property
+    def counted(self) -> int:
+        """Requests counted (sent, less each run's start-up wave)."""
+        return sum(n for _, n in self.per_run)
+
+    @property
+    def runs(self) -> int:
+        return len(self.per_run)
+
+    def bounds(self, alpha: float) -> tuple[float, float]:
+        """One-sided bounds of its attainment, each at ``alpha`` / its looks: the exact
+        (Clopper-Pearson) bounds of its requests, widened, from two runs on, to a t bound on
+        the runs' shares with k - 1 degrees of freedom (a run is the unit: its requests share
+        the machine's state, and on the 2-core CPU one run at a load kept 100% while the next
+        kept 50%). Runs that agree leave the exact bounds as they are."""
+        level = alpha / self.looks
+        low, high = share_bounds(self.good, self.counted, level)
+        k = len(self.per_run)
+        if k < 2 or not self.counted:
+            return low, high
+        total = self.counted
+        share = self.good / total
+        # the spread of the runs' shares about the pooled one (a ratio estimator's
+        # cluster-robust variance)
+        spread = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / total ** 2
+        margin = float(stats.t.ppf(1 - level, k - 1)) * math.sqrt(spread * k / (k - 1))
+        return max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
+
+    def look(self, target: float, alpha: float) -> str | None:
+        """The verdict, from two runs on (one run cannot show how runs vary)."""
         low, high = self.bounds(alpha)
-        if self.counted and low >= target:
+        if self.runs >= MIN_RUNS and low >= target:
             return MEETS
-        if self.counted and high < target:
+        if self.runs >= MIN_RUNS and high < target:
             return MISSES
-        return UNDECIDED if last else None
+        return UNDECIDED if self.runs >= self.looks else None
 
 
 @dataclass
 class CapacitySearch:
     """The search for one model, run by the caller one client run at a time:
-    ``next_run()`` says which load point and run to do, ``record()`` takes its requests."""
+    ``next_run()`` says which load point and run to do, ``record()`` takes its requests.
+    ``pilot``: the first point's first two runs count only this many requests each (0: full
+    runs), so that a model missing the objective even there is known in seconds (they are two
+    more looks at that point)."""
 
     ceiling: int
     target: float = 0.9  # the attainment asked (the objective's percentile / 100)
@@ -226,6 +261,7 @@ class CapacitySearch:
     start: int = 1
     alpha: float = ALPHA
     bracket_step: int = 0  # bracketing adds this many levels (0: doubles the load)
+    pilot: int = 0
     points: dict[int, Point] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -236,11 +272,16 @@ class CapacitySearch:
 
     @property
     def alpha_look(self) -> float:
+        """Each look's level at a point of ``max_runs`` runs."""
         return self.alpha / self.max_runs
 
     @property
     def done(self) -> bool:
         return self._current == 0
+
+    def is_pilot(self, concurrency: int, run: int) -> bool:
+        """Whether this run is one of the short first ones (``pilot`` requests counted)."""
+        return bool(self.pilot) and concurrency == self.start and run < MIN_RUNS
 
     def _with(self, verdict: str) -> list[int]:
         return sorted(c for c, p in self.points.items() if p.verdict == verdict)
@@ -259,14 +300,14 @@ class CapacitySearch:
         """(concurrency, run index) of the next run, or None when the search is over."""
         if self.done:
             return None
-        point = self.points.setdefault(self._current, Point(self._current))
+        looks = self.max_runs + (MIN_RUNS if self.pilot and self._current == self.start else 0)
+        point = self.points.setdefault(self._current, Point(self._current, looks))
         return self._current, point.runs
 
     def record(self, concurrency: int, good: int, counted: int) -> None:
         point = self.points[concurrency]
-        point.good, point.counted = point.good + good, point.counted + counted
-        point.runs += 1
-        point.verdict = point.look(self.target, self.alpha_look, point.runs >= self.max_runs)
+        point.per_run.append((good, counted))
+        point.verdict = point.look(self.target, self.alpha)
         if point.verdict is not None:
             self._current = self._next_concurrency()
 
@@ -297,8 +338,8 @@ class CapacitySearch:
         low, high = self.low, self.high
         points = {}
         for c, p in sorted(self.points.items()):
-            lo, hi = p.bounds(self.alpha_look)
-            points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs,
+            lo, hi = p.bounds(self.alpha)
+            points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs, "looks": p.looks,
                          "attainment": p.good / p.counted if p.counted else 0.0,
                          "low": lo, "high": hi, "verdict": p.verdict or UNDECIDED}
         return {"max_concurrency": low, "capacity_high": high - 1 if high is not None else None,

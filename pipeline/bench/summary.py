@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from pipeline.bench.measure import ModelRecord, requests_held, speed_ratios
-from pipeline.bench.slo import Objective
+from pipeline.bench.slo import PILOT, Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, ModelBench, WorkloadFigures
@@ -108,7 +108,8 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
         figures: dict[str, WorkloadFigures] = {}
         # a model that failed mid-run has no complete measurement: no figures from it
         for key, points in (record.runs.items() if record.status == "ok" else ()):
-            base_points = base.runs.get(key, {}) if base.status == "ok" else {}
+            base_points = {c: [r for r in runs if not r.get(PILOT)] for c, runs in
+                           base.runs.get(key, {}).items()} if base.status == "ok" else {}
             queries, hits = record.prefix_counters.get(key, [0.0, 0.0])
             workload = by_name.get(key)
             expected = workload.expected_prefix_hit_rate(
@@ -116,10 +117,11 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
                 if workload is not None and workload.compare_prefix_caching else None
             sweep = by_name.get(key.removesuffix("_nocache"))
             looks = sweep.looks(target) if sweep is not None else None
+            full = {c: [r for r in results if not r.get(PILOT)] for c, results in points.items()}
             figures[key] = WorkloadFigures(
                 points={c: point_figures(results, base_points.get(c, []),
-                                  looks if name != BASELINE else None)
-                        for c, results in points.items()},
+                                         looks if name != BASELINE else None)
+                        for c, results in full.items() if results},
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
                 prefix_cache_expected_hit_rate=expected)

@@ -31,7 +31,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipeline.bench import request_files
-from pipeline.bench.slo import AUTO, Objective
+from pipeline.bench.slo import AUTO, MIN_RUNS, Objective
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
 from pipeline.core.speedup import Looks
@@ -79,6 +79,7 @@ class Workload:
     slo: Objective | None = None  # a capacity search instead of fixed load points
     search_ceiling: int = 32  # 0 (``auto``): what each model's KV cache holds (up to AUTO_CEILING)
     search_precision: float = 0.0  # 0: to one user (one rate step)
+    search_pilot: int = 0  # requests the first run of a search counts (0: a full run)
     # what the search varies: max concurrency (closed loop: each user waits for its answer) or
     # the arrival rate (open loop: requests arrive at rate_start x 2^(k x rate_step) per second,
     # Poisson at burstiness 1, gamma otherwise; vllm bench serve --request-rate --burstiness)
@@ -143,12 +144,20 @@ class Workload:
             return max(self.min_prompts, math.ceil(self.rate_of(concurrency) * self.run_seconds))
         by_work = (-(-self.min_output_tokens // self.output_len)
                    if self.min_output_tokens and self.output_len else 0)
-        return max(self.min_prompts, self.prompts_per_concurrency * concurrency, by_work)
+        # a capacity search counts min_prompts past each run's start-up wave
+        wave = concurrency if self.slo is not None else 0
+        return max(self.min_prompts + wave, self.prompts_per_concurrency * concurrency, by_work)
 
     def counted(self, concurrency: int) -> int:
         """Requests per run a search counts: a closed loop's start-up wave (its
         ``concurrency`` requests sent at once, :func:`slo.start_wave`) is left out."""
         return self.num_prompts(concurrency) - (0 if self.by_rate else concurrency)
+
+    def pilot_run(self) -> Workload:
+        """The workload of a search's short first run: ``search_pilot`` requests counted
+        (after the start-up wave, at a fixed concurrency)."""
+        return replace(self, min_prompts=self.search_pilot, prompts_per_concurrency=1,
+                       min_output_tokens=0, run_seconds=0.0)
 
     def seed_for(self, concurrency: int, repeat: int) -> int:
         """Distinct prompts for every repeat and load point; the same for every model."""
@@ -232,18 +241,18 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
-          "search_ceiling": (int, str), "search_precision": (int, float), "prompts": str,
-          "trace": str, "trace_sec_multiplier": (int, float), "trace_chunk_size": int,
-          "max_repeats": int, "search_by": str, "rate_start": (int, float, str),
-          "rate_ceiling": (int, float), "rate_step": (int, float), "burstiness": (int, float),
-          "run_seconds": (int, float)}
+          "search_ceiling": (int, str), "search_precision": (int, float), "search_pilot": int,
+          "prompts": str, "trace": str, "trace_sec_multiplier": (int, float),
+          "trace_chunk_size": int, "max_repeats": int, "search_by": str,
+          "rate_start": (int, float, str), "rate_ceiling": (int, float),
+          "rate_step": (int, float), "burstiness": (int, float), "run_seconds": (int, float)}
 # the smallest value of each numeric field (and the largest, where there is one)
 RANGES: dict[str, tuple[float, float | None]] = {
     "headline": (1, None), "repeats": (1, None), "seed": (0, None),
     "prompts_per_concurrency": (1, None), "min_prompts": (1, None), "output_len": (0, None),
     "input_len": (1, None), "range_ratio": (0, 0.999), "prefix_len": (1, None),
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
-    "search_ceiling": (1, None), "search_precision": (0, 0.999),
+    "search_ceiling": (1, None), "search_precision": (0, 0.999), "search_pilot": (0, None),
     "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
     "max_repeats": (0, None), "rate_start": (0.001, None), "rate_ceiling": (0.001, None),
     "rate_step": (0.01, 1), "burstiness": (0.01, None), "run_seconds": (1, None)}
@@ -360,26 +369,20 @@ def check_search(workload: Workload) -> None:
     slo = workload.slo
     if slo is None:
         return
-    need = slo.min_requests(workload.repeats)
-    if not workload.by_rate and workload.prompts_per_concurrency < 2:
+    if workload.repeats < MIN_RUNS:
         raise ConfigError(
-            f"{workload.path}: prompts_per_concurrency {workload.prompts_per_concurrency}: a "
-            "capacity search does not count each run's start-up wave (the first request of "
-            "each user), so each user must send at least 2 requests per run; set "
-            "prompts_per_concurrency: 3.")
-    # the fewest a point can count: at one user, or where min_prompts stops mattering
-    top = min(workload.min_prompts + 1, workload.search_ceiling or workload.min_prompts + 1)
-    lows = range(1, top + 1) if not workload.by_rate else (1,)
-    fewest = min(lows, key=workload.counted)
-    most = workload.counted(fewest) * workload.repeats
+            f"{workload.path}: repeats {workload.repeats}: a capacity search decides each load "
+            f"point on at least {MIN_RUNS} runs (how runs vary is part of the verdict); set "
+            f"repeats: 4 (REPEATS=).")
+    need = slo.min_requests(workload.repeats)
+    most = workload.min_prompts * workload.repeats  # each run counts at least min_prompts
     if most < need:
         raise ConfigError(
             f"{workload.path}: slo percentile {slo.percentile} asks that {slo.percentile}% of "
             f"requests meet the objective; showing it at one load point takes at least {need} "
-            f"requests (none missing), but a point here counts as few as {most} "
-            f"({workload.repeats} runs x {workload.counted(fewest)} at "
-            f"{workload.load_text(fewest)}). Raise min_prompts, prompts_per_concurrency or "
-            "repeats (REPEATS=), or lower the percentile.")
+            f"requests (none missing), but a point here may count only {most} "
+            f"({workload.repeats} runs x {workload.min_prompts}, past each run's start-up "
+            "wave). Raise min_prompts or repeats (REPEATS=), or lower the percentile.")
 
 
 def _request_file(path: Path, data: dict[str, Any], key: str, what: str, shape: str,

@@ -66,16 +66,17 @@ def speed_draw(true: float, sd: float, looks: Looks) -> Draw:
     return draw
 
 
-def _row(name: str, stats: dict[str, float]) -> Row:
+def _row(name: str, stats: dict[str, float], status: str = gate.PASS) -> Row:
     return Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
-               weight_ratio=0.5, serving="ok", gate_status=gate.PASS, threshold=96.0,
+               weight_ratio=0.5, serving="ok", gate_status=status, threshold=96.0,
                headline=stats, comparable=True)
 
 
-def recommend_draw(k: int, true: float, sd: float, looks: Looks) -> Draw:
+def recommend_draw(k: int, true: float, sd: float, looks: Looks, failing: int = 0) -> Draw:
     """k variants, none faster than ``true``, paired with one baseline run per repeat (shared,
     as in an interleaved bench); each repeats while bench's rule (``undecided``) says so, the
-    baseline while any does. The verdict: whether the speed objective recommends any."""
+    baseline while any does; ``failing`` of them fail their gate (on their scores: whichever,
+    the speed does not choose). The verdict: whether the speed objective recommends any."""
     def draw(rng: np.random.Generator) -> str:
         base: list[dict] = []
         runs: list[list[dict]] = [[] for _ in range(k)]
@@ -89,7 +90,8 @@ def recommend_draw(k: int, true: float, sd: float, looks: Looks) -> Draw:
             for i in open_:
                 runs[i].append({"output_throughput": 100 * true * math.exp(
                     rng.normal(0, sd / math.sqrt(2)))})
-        rows = [_row("baseline", {})] + [_row(f"v{i}", point_figures(runs[i], base, looks))
+        rows = [_row("baseline", {})] + [_row(f"v{i}", point_figures(runs[i], base, looks),
+                                              gate.FAIL if i < failing else gate.PASS)
                                          for i in range(k)]
         best, _ = recommend(rows, "speed")
         return "recommends one" if best else "recommends none"
@@ -142,6 +144,20 @@ def attainment_curve(c1: int, a1: float, c2: int, a2: float) -> Callable[[int], 
     return lambda c: 1 / (1 + math.exp(-(l1 + slope * (c - c1))))
 
 
+def over_runs(curve: Callable[[int], float], run_sd: float) -> Callable[[int], float]:
+    """The attainment a load point's runs average to when each run's share varies about the
+    curve by ``run_sd`` on the logit (Gauss-Hermite): the truth the search estimates."""
+    if not run_sd:
+        return curve
+    nodes, weights = np.polynomial.hermite_e.hermegauss(40)
+    weights = weights / weights.sum()
+
+    def mean(c: int) -> float:
+        logit = math.log(curve(c) / (1 - curve(c)))
+        return float(np.sum(weights / (1 + np.exp(-(logit + run_sd * nodes)))))
+    return mean
+
+
 def true_capacity(curve: Callable[[int], float], target: float, ceiling: int) -> int:
     """The largest load whose true attainment reaches the target (the curve falls)."""
     return max((c for c in range(1, ceiling + 1) if curve(c) >= target), default=0)
@@ -164,21 +180,24 @@ def client_run(ok: np.ndarray, concurrency: int) -> dict:
 def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: int,
              target: float, runs: int, requests: Callable[[int], int],
              run_sd: float, bracket_step: int = 0,
-             wave: Callable[[int], float] | None = None, skip_start: bool = True
-             ) -> CapacitySearch:
+             wave: Callable[[int], float] | None = None, skip_start: bool = True,
+             pilot: int = 0) -> CapacitySearch:
     """The search (``CapacitySearch``) on drawn requests: each run's attainment varies around
     the curve (``run_sd`` on the logit: runs of one point are not identical), each request
     within the objective at that run's rate. ``wave``: the chance at a load that a run's
     start-up wave (its first ``concurrency`` requests, sent at once) misses together; its
     runs are then counted by the search's own rule (``Objective.attainment``, which leaves the
-    wave out unless not ``skip_start``)."""
-    search = CapacitySearch(ceiling, target, runs, bracket_step=bracket_step)
+    wave out unless not ``skip_start``); without one, ``requests`` is what a run counts.
+    ``pilot``: the search's short first run counts that many."""
+    search = CapacitySearch(ceiling, target, runs, bracket_step=bracket_step, pilot=pilot)
     while (run := search.next_run()) is not None:
         c = run[0]
         p = curve(c)
         logit = math.log(p / (1 - p)) + rng.normal(0, run_sd) if run_sd else None
         rate = 1 / (1 + math.exp(-logit)) if logit is not None else p
         n = requests(c)
+        if search.is_pilot(*run):
+            n = pilot + (c if wave is not None else 0)
         if wave is None:
             search.record(c, int(rng.binomial(n, rate)), n)
             continue
@@ -191,16 +210,17 @@ def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: i
 
 def capacity_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: int,
                   requests: Callable[[int], int], run_sd: float, bracket_step: int = 0,
-                  wave: Callable[[int], float] | None = None, skip_start: bool = True) -> Draw:
+                  wave: Callable[[int], float] | None = None, skip_start: bool = True,
+                  pilot: int = 0) -> Draw:
     """The verdict: whether the capacity reported (the largest load shown to meet) is above
     the truth (overstated: the claim that can hurt a fleet), and whether its range holds it.
-    The truth is the steady state's (``curve``): a start-up ``wave`` is the client's, not the
-    load's."""
-    truth = true_capacity(curve, target, ceiling)
+    The truth is the steady state's (``curve``, averaged over the runs' variation): a start-up
+    ``wave`` is the client's, not the load's."""
+    truth = true_capacity(over_runs(curve, run_sd), target, ceiling)
 
     def draw(rng: np.random.Generator) -> str:
         found = searched(curve, rng, ceiling, target, runs, requests, run_sd,
-                         bracket_step, wave, skip_start).result()
+                         bracket_step, wave, skip_start, pilot).result()
         low, high = found["max_concurrency"], found["capacity_high"]
         if low > truth:
             return "overstated"
@@ -272,6 +292,10 @@ def catalogue(sd_repeat: float, looks: Looks, sd_label: str) -> list[Scenario]:
         out.append(Scenario("recommendation", f"{k} variant(s), none faster (1.00), {sd_label}",
                             "recommend none", recommend_draw(k, 1.0, sd_repeat, looks),
                             {"recommends one": ALPHA}, fast=k == 4))
+    out.append(Scenario("recommendation", f"4 variants, none faster (1.00), 2 failing their "
+                        f"gates, {sd_label}", "recommend none",
+                        recommend_draw(4, 1.0, sd_repeat, looks, failing=2),
+                        {"recommends one": ALPHA}, fast=False))
     at_threshold = TaskTruth(286, 0.8, lose=0.04)  # 96.0% exactly
     out += [
         Scenario("gate-task", "a true loss exactly at the threshold (96.0%), 286 items",
@@ -307,41 +331,42 @@ def catalogue(sd_repeat: float, looks: Looks, sd_label: str) -> list[Scenario]:
     target, runs, ceiling = shipped.slo.target, shipped.repeats, shipped.search_ceiling or 32
     knee = attainment_curve(12, 0.95, 14, 0.85)
     wrong_capacity = {"overstated": ALPHA, "range below the truth": ALPHA}
-    for run_sd, label in ((0.0, "independent runs"), (0.3, "runs vary (logit sd 0.3)")):
-        out.append(Scenario("capacity", f"a smooth knee: 95% attain at 12 users, 85% at 14, "
-                            f"target {target:.0%}; {label}",
-                            f"{true_capacity(knee, target, ceiling)} users (the largest at >= "
-                            f"{target:.0%})", capacity_draw(knee, ceiling, target, runs,
-                                                           shipped.num_prompts, run_sd),
-                            wrong_capacity, fast=run_sd == 0.0))
+    for run_sd, label in ((0.0, "independent runs"), (0.3, "runs vary (logit sd 0.3)"),
+                          (1.5, "runs vary as measured here (logit sd 1.5)")):
+        truth = true_capacity(over_runs(knee, run_sd), target, ceiling)
+        out.append(Scenario(
+            "capacity", f"a smooth knee: 95% attain at 12 users, 85% at 14, target "
+            f"{target:.0%}; {label}", f"{truth} users (the largest at >= {target:.0%} over runs)",
+            capacity_draw(knee, ceiling, target, runs, shipped.counted, run_sd,
+                          pilot=shipped.search_pilot), wrong_capacity, fast=run_sd == 0.0))
 
     # as measured on the 2-core CPU: from 6 users on, a run's start-up wave (its users' first
     # requests, sent at once and prefilled together) misses together in half the runs
     def wave(c: int) -> float:
         return 0.5 if c >= 6 else 0.0
-    wave_truth = f"{true_capacity(knee, target, ceiling)} users in steady state"
+    wave_truth = f"{true_capacity(over_runs(knee, 0.3), target, ceiling)} users in steady state"
     wave_name = ("the same knee; from 6 users half the runs' start-up waves miss together, "
                  "runs vary (logit sd 0.3)")
     out.append(Scenario("capacity", wave_name, wave_truth, capacity_draw(
-        knee, ceiling, target, runs, shipped.num_prompts, 0.3, wave=wave), wrong_capacity,
-        fast=False))
+        knee, ceiling, target, runs, shipped.num_prompts, 0.3, wave=wave,
+        pilot=shipped.search_pilot), wrong_capacity, fast=False))
     out.append(Scenario("capacity", f"{wave_name}; counting the waves (not qpipe's rule: why "
                         "they are left out)", wave_truth, capacity_draw(
                             knee, ceiling, target, runs, shipped.num_prompts, 0.3, wave=wave,
-                            skip_start=False), {}, fast=False))
+                            skip_start=False, pilot=shipped.search_pilot), {}, fast=False))
     rated = workloads.load("capacity-rate")
     assert rated.slo is not None
     at_rate = replace(rated, rate_start=1.0)  # levels 9% apart from 1 req/s: the knee at 4
     rate_knee = attainment_curve(16, 0.95, 18, 0.85)  # level 17 = 4 req/s
+    level = true_capacity(over_runs(rate_knee, 0.3), rated.slo.target, at_rate.levels)
     out.append(Scenario("capacity", "arrival-rate levels 9% apart: 95% attain at 3.7 req/s, "
-                        "85% at 4.4", f"level {true_capacity(rate_knee, 0.9, at_rate.levels)} "
-                        f"({at_rate.rate_of(true_capacity(rate_knee, 0.9, at_rate.levels)):.2f} "
-                        "req/s)", capacity_draw(rate_knee, at_rate.levels, rated.slo.target,
-                                                rated.repeats, at_rate.num_prompts, 0.3,
-                                                at_rate.doubling),
+                        "85% at 4.4; runs vary (logit sd 0.3)",
+                        f"level {level} ({at_rate.rate_of(level):.2f} req/s)",
+                        capacity_draw(rate_knee, at_rate.levels, rated.slo.target,
+                                      rated.repeats, at_rate.num_prompts, 0.3, at_rate.doubling),
                         wrong_capacity, fast=False))
     out.append(Scenario("cost", "a variant with exactly the baseline's capacity curve and "
                         "throughput (throughput noise 0.05)", "not cheaper",
-                        cost_draw(knee, ceiling, target, runs, shipped.num_prompts, 0.0, 0.05),
+                        cost_draw(knee, ceiling, target, runs, shipped.counted, 0.0, 0.05),
                         {"cheaper": ALPHA}))
     return out

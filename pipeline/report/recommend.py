@@ -19,7 +19,7 @@ SPEED_BASIS = "geometric mean [interval], t on log ratios, sequential"
 OBJECTIVE_TEXT = {
     "speed": "the fastest variant that passes its gate and is shown faster than the baseline "
              "(its speedup's interval above 1, and still so after Holm's correction over the "
-             "variants compared)",
+             "variants that pass their gates)",
     "memory": "the variant with the smallest weights that passes its gate",
     "capacity": "the variant that holds the most concurrent requests at the plan target and "
                 "passes its gate",
@@ -41,9 +41,12 @@ def speed_text(row: Row) -> str:
 
 
 def compared(rows: list[Row]) -> dict[str, float]:
-    """Each variant with a measured, comparable speedup: its one-sided p-value of "faster"."""
+    """Each variant that passes its gate with a measured, comparable speedup: its one-sided
+    p-value of "faster". A variant its gate rules out (on the scores, not on the speed
+    figures) is never recommended, so it is no part of the family a chance "faster" could
+    come from; the calibration's family-wise scenarios measure both cases."""
     return {r.name: found.p_faster for r in rows if r.name != BASELINE and r.comparable
-            and (found := speedup_of(r.headline)) is not None}
+            and r.gate_status == gate.PASS and (found := speedup_of(r.headline)) is not None}
 
 
 def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None,
@@ -81,8 +84,8 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
         return f"passes its gate but {what}: {speed_text(row)}"
     if objective == "speed" and row.name not in family:
         return (f"passes its gate and its interval is above 1 ({speed_text(row)}), but not "
-                f"after Holm's correction over the {n_compared} variants compared (one of several "
-                "shown faster by chance is likely): more repeats settle it")
+                f"after Holm's correction over the {n_compared} variants that pass their gates "
+                "(one of several shown faster by chance is likely): more repeats settle it")
     return None
 
 
@@ -93,7 +96,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     eligible, why_not = [], []
     p_values = compared(rows)
     # the family a recommendation is chosen from: "faster" surviving Holm's correction over
-    # every variant with a measured, comparable speedup
+    # every variant that passes its gate with a measured, comparable speedup
     family = holm(p_values)
     base = next((r for r in rows if r.name == BASELINE), None)
     for row in rows:
