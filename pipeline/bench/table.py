@@ -113,10 +113,11 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
                     f"{2 ** workload.rate_step - 1:.0%}" if workload.by_rate else
                     f"the highest max concurrency shown to meet {objective}{basis} (searched 1, "
                     f"2, 4, ... up to {ceiling}, then bisected to one user")
-    lines = [f"\n{workload.name}: {searched_how}; per point up "
-             f"to {workload.repeats} runs until its exact attainment bounds clear or miss "
-             f"{slo.percentile}%; [range]: up to the load below the first shown to miss; cold, "
-             "distinct prompts)"]
+    wave = "" if workload.by_rate else "; each run's start-up wave not counted"
+    lines = [f"\n{workload.name}: {searched_how}; per point 2 to {workload.repeats} runs until "
+             f"its attainment bounds (exact on its requests, t on its runs' shares) clear or "
+             f"miss {slo.percentile}%; [range]: up to the load below the first shown to miss; "
+             f"cold, distinct prompts{wave})"]
     for name, entry in summary.models.items():
         data = entry.workloads.get(workload.name)
         if entry.status != "ok" or data is None or data.capacity is None:

@@ -157,7 +157,7 @@ def plot_tasks(comparison: Comparison) -> tuple[str, str]:
 
 
 def plot_capacity(comparison: Comparison) -> tuple[str, str]:
-    """The capacity search: each load point's SLO attainment with its exact bounds against the
+    """The capacity search: each load point's SLO attainment with its bounds against the
     target (first panel), then each bounded latency percentile against load with the
     objective drawn as a line; each model's capacity circled."""
     plt = _pyplot()
@@ -182,7 +182,7 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
         ax.axhline(target, color="#c44", lw=1, ls="--", label=f"target {target:.0%}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max concurrency (circled: the capacity found)")
-    ax.set_ylabel("requests within the objective (exact bounds)")
+    ax.set_ylabel("requests within the objective (bounds)")
     ax.set_title("SLO attainment against load")
     if rows:
         ax.legend(fontsize=6)

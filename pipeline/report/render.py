@@ -186,7 +186,8 @@ def capacity_lines(comparison: Comparison) -> list[str]:
     where = comparison.hardware or "the machine of the bench run"
     if objective:
         out.append(f"users @objective: the highest max concurrency shown to meet {objective} "
-                   "(searched, each point run until its attainment's exact bounds decide, "
+                   "(searched in steady state, each point run until its attainment's bounds "
+                   "decide: exact on its requests, t on its runs' shares, two runs at least; "
                    f"[range] up to the load below the first shown to miss; measured on {where}); "
                    "its cost: the hourly price of the devices that run's server used over the "
                    "output tokens/s measured there [from the slowest run there to the fastest at "
