@@ -369,8 +369,8 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
             except ServeError as err:
                 _drop(live, name, records, err, pool)
                 continue
-            # a closed loop's start-up wave is not counted; Poisson arrivals are not a wave
             result[PILOT] = sent is not workload
+            # a closed loop's start-up wave is not counted; Poisson arrivals are not a wave
             good, counted = workload.slo.attainment(result, skip_start=not workload.by_rate)
             search.record(concurrency, good, counted)
             point = search.points[concurrency]

@@ -108,8 +108,7 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
         figures: dict[str, WorkloadFigures] = {}
         # a model that failed mid-run has no complete measurement: no figures from it
         for key, points in (record.runs.items() if record.status == "ok" else ()):
-            base_points = {c: [r for r in runs if not r.get(PILOT)] for c, runs in
-                           base.runs.get(key, {}).items()} if base.status == "ok" else {}
+            base_points = _measured(base.runs.get(key, {})) if base.status == "ok" else {}
             queries, hits = record.prefix_counters.get(key, [0.0, 0.0])
             workload = by_name.get(key)
             expected = workload.expected_prefix_hit_rate(
@@ -117,11 +116,10 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
                 if workload is not None and workload.compare_prefix_caching else None
             sweep = by_name.get(key.removesuffix("_nocache"))
             looks = sweep.looks(target) if sweep is not None else None
-            full = {c: [r for r in results if not r.get(PILOT)] for c, results in points.items()}
             figures[key] = WorkloadFigures(
                 points={c: point_figures(results, base_points.get(c, []),
                                          looks if name != BASELINE else None)
-                        for c, results in full.items() if results},
+                        for c, results in _measured(points).items() if results},
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
                 prefix_cache_expected_hit_rate=expected)
@@ -169,6 +167,11 @@ def nearest_rank(n: int, q: float) -> int:
     """The index of the q-quantile of n sorted values by nearest rank: ceil(q n) - 1 (N = 10:
     the 9th value for p90, not the maximum)."""
     return min(n - 1, max(0, math.ceil(q * n - 1e-9) - 1))
+
+
+def _measured(points: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """Each load point's runs less a search's pilot runs (too short to be a figure)."""
+    return {c: [r for r in runs if not r.get(PILOT)] for c, runs in points.items()}
 
 
 def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
