@@ -24,6 +24,7 @@ from pydantic import Field, PositiveInt
 
 from pipeline import bench, report
 from pipeline import eval as evaluation
+from pipeline.bench import workloads as bench_loads
 from pipeline.core import campaigns, jobs, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import Comparison, Manifest
@@ -131,7 +132,8 @@ def stages(settings: CampaignSettings, file: campaigns.CampaignFile,
     quantize = [QuantizeSettings(baseline=settings.baseline, recipe=r, force=settings.force,
                                  calibration=settings.calibration) for r in recipes]
     bench_settings = bench.BenchSettings(
-        baseline=settings.baseline, recipes=tuple(recipes), workloads=file.workloads,
+        baseline=settings.baseline, recipes=tuple(recipes),
+        workloads=campaigns.bench_workloads(file, _is_search),
         repeats=file.repeats, force=settings.force, engine=settings.engine,
         slo_ttft_ms=settings.slo_ttft_ms, slo_itl_ms=settings.slo_itl_ms) \
         if file.workloads else None  # no workloads: no bench (e.g. no serving environment)
@@ -140,6 +142,10 @@ def stages(settings: CampaignSettings, file: campaigns.CampaignFile,
         limit=file.limit, backend=file.backend, divergence=file.divergence,
         force=settings.force, engine=settings.engine)
     return quantize, bench_settings, eval_settings
+
+
+def _is_search(workload: str) -> bool:
+    return bench_loads.load(workload).slo is not None
 
 
 def _for_this_baseline(recipe: str, base: baselines.Baseline) -> bool:

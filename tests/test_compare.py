@@ -295,7 +295,8 @@ def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path
 
 def test_shipped_campaigns_load_and_bad_ones_name_the_field(tmp_path: Path) -> None:
     default, quick = campaigns.load("default"), campaigns.load("quick")
-    assert default.workloads == ("chat", "prefix", "capacity") and default.plan.context == 2048
+    assert default.workloads == ("chat", "prefix") and default.plan.context == 2048
+    assert default.capacity_workload == "capacity"
     assert set(quick.recipes) <= set(default.recipes or quick.recipes)
     bad = tmp_path / "bad.yaml"
     bad.write_text("recipes: [fp8]\nworkload: [chat]\n")
@@ -332,6 +333,22 @@ def test_stage_settings_follow_the_campaign_and_print_their_command() -> None:
     assert [q.recipe for q in quantize] == ["int8"] and evaluate.limit == "all"
     no_bench = campaigns.CampaignFile(recipes=("fp8",), workloads=())
     assert campaign.stages(settings, no_bench)[1] is None
+
+
+def test_the_cost_objective_adds_the_capacity_search_once() -> None:
+    def bench_of(**overrides: object) -> tuple[str, ...]:
+        settings = campaign.CampaignSettings(baseline="tiny", **overrides)  # type: ignore[arg-type]
+        bench = campaign.stages(settings, settings.file())[1]
+        assert bench is not None
+        return bench.workloads
+
+    assert bench_of() == ("chat", "prefix")  # speed: no search (minutes a model on a CPU)
+    assert bench_of(objective="cost") == ("chat", "prefix", "capacity")
+    # a search already named is not run twice, whichever it is
+    assert bench_of(objective="cost", workloads=("chat", "capacity-rate")) == (
+        "chat", "capacity-rate")
+    assert bench_of(campaign="full", objective="cost")[-1] == "capacity-gpu"
+    assert bench_of(campaign="full", objective="cost").count("capacity-gpu") == 1
 
 
 def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> None:

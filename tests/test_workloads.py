@@ -212,3 +212,14 @@ def test_prompts_go_through_the_chat_template_only_where_the_model_has_one(tmp_p
     (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     assert has_chat_template(tmp_path)
+
+
+def test_warm_up_before_a_load_points_first_run_only_and_never_before_a_search() -> None:
+    chat = workloads.load("chat")
+    first, later = chat.client_args(4, 0), chat.client_args(4, 1)
+    assert first[first.index("--num-warmups") + 1] == "4" and "--num-warmups" not in later
+    search = workloads.load("capacity")  # its start-up wave, sent and not counted, is the batch
+    assert "--num-warmups" not in search.client_args(8, 0)
+    assert search.num_prompts(8) - search.counted(8) == 8
+    rate = workloads.load("capacity-rate")  # an open loop counts every request: warmed
+    assert "--num-warmups" in rate.client_args(2, 0)

@@ -40,7 +40,7 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                "workloads": [{**dataclasses.asdict(w), "path": w.name, "prompts": "",
                               "trace": ""} for w in loads],
                "engine": settings.identity(), "target": target, "vllm": vllm_version(),
-               "attainment": slo.COUNTED,
+               "attainment": slo.COUNTED, "warm_up": workloads_mod.WARM_UP,
                "hardware": hardware.profile().key()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
                           ).hexdigest()[:16]

@@ -41,6 +41,8 @@ WORKLOADS_DIR = paths.CONFIGS_DIR / "workloads"
 AUTO_CEILING = 1024  # the most an ``auto`` ceiling searches, whatever the KV cache holds
 DATASETS = ("random", "prefix_repetition", "custom", "timed_trace")
 PERCENTILES = "50,99"
+# part of every measurement's cache key: a change re-measures
+WARM_UP = "one batch of the load before each load point's first run; none before a search's"
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,13 @@ class Workload:
         by_work = (-(-self.min_output_tokens // self.output_len)
                    if self.min_output_tokens and self.output_len else 0)
         # a capacity search counts min_prompts past each run's start-up wave
-        wave = concurrency if self.slo is not None else 0
+        wave = concurrency if self.counts_past_wave else 0
         return max(self.min_prompts + wave, self.prompts_per_concurrency * concurrency, by_work)
+
+    @property
+    def counts_past_wave(self) -> bool:
+        """A closed-loop capacity search: each run's start-up wave is sent, not counted."""
+        return self.slo is not None and not self.by_rate
 
     def counted(self, concurrency: int) -> int:
         """Requests per run a search counts: a closed loop's start-up wave (its
@@ -205,11 +212,13 @@ class Workload:
                 self.percentiles()]
         if self.slo is not None:  # every request's figures: the attainment is counted from them
             args += [*self.slo.goodput_args(), "--save-detailed"]
-        if not self.compare_prefix_caching:
-            # one batch of the first prompt before the timed run: kernels and batch shapes are
-            # warm (the first repeat ran up to 1.5x slower without). Not for prefix
+        if repeat == 0 and not self.compare_prefix_caching and not self.counts_past_wave:
+            # one batch of the first prompt before a load point's first run: kernels and batch
+            # shapes are warm (the first repeat ran up to 1.5x slower without; the later ones
+            # find that server warm at that load, as a warm-up would leave it). Not for prefix
             # comparisons: a warm-up would cache a whole prompt that the run then re-sends.
-            # (a trace's cap is no load: a few warm-ups, not one per possible slot)
+            # (a trace's cap is no load: a few warm-ups, not one per possible slot). A closed-
+            # loop search needs none: its start-up wave, not counted, is that batch.
             warm = min(concurrency, 4) if self.dataset == "timed_trace" or self.by_rate \
                 else concurrency
             args += ["--num-warmups", str(warm)]

@@ -3,6 +3,7 @@ places the variants. A plain settings file, checked field by field (file and fie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +33,9 @@ class CampaignFile(BaseModel):
     backend: Literal["auto", "served", "hf"] = "auto"
     divergence: bool = True
     objective: ObjectiveName = "speed"
+    # the capacity search (a workload with an slo) run when the objective ranks by its cost,
+    # whatever `workloads` says; name it in `workloads` to run it for every objective
+    capacity_workload: str = "capacity"
     # the gate threshold of every variant in this campaign, instead of each recipe's own
     # recovery_threshold_pct (said wherever a verdict is shown); None: the recipes'
     threshold: float | None = Field(None, gt=0, le=1000)
@@ -47,3 +51,11 @@ def load(name_or_path: str) -> CampaignFile:
                           f"{', '.join(paths.yaml_names(CAMPAIGNS_DIR))} (configs/campaigns/), "
                           "or give a path to a YAML file.")
     return from_yaml(CampaignFile, path, {"name": path.stem, "path": path})
+
+
+def bench_workloads(file: CampaignFile, is_search: Callable[[str], bool]) -> tuple[str, ...]:
+    """The workloads a campaign benches: its own, and its capacity search where the objective
+    is cost and none of them is a search (``is_search``: whether a workload has an slo)."""
+    if file.objective != "cost" or not file.workloads or any(map(is_search, file.workloads)):
+        return file.workloads
+    return (*file.workloads, file.capacity_workload)

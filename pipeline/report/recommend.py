@@ -66,7 +66,7 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
         why = ("its capacity is at another objective than the baseline's"
                if row.capacity.get("other_objective") else
                "its capacity at the latency objective was not measured or is 0 (the capacity "
-               "workload)")
+               "search: make all OBJECTIVE=cost runs it, or make bench WORKLOAD=capacity)")
         return f"passes its gate but has no cost figure: {why}"
     if objective == "cost":
         shown, why = cost.cheaper(row.cost, base.cost if base is not None else {})
