@@ -12,10 +12,11 @@ import pytest
 from pipeline import campaign
 from pipeline.bench import measure, stage
 from pipeline.core import campaigns, hardware, tracking
-from pipeline.core.artifacts import PlanTarget
+from pipeline.core.artifacts import CostTarget, PlanTarget, Row
 from pipeline.core.variant import Variant
 from pipeline.eval import EvalSettings, lm
 from pipeline.plan import capacity
+from pipeline.report import compare, cost
 from pipeline.report.compare import resolve_plan_target
 from pipeline.serve import EngineSettings, VllmServer, engine_metrics, failure, server
 
@@ -112,6 +113,31 @@ def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path
     assert bare.engine["kv_budget_source"].startswith("unknown")
 
 
+def test_at_tp_2_each_workers_budget_holds_its_share_of_the_kv_heads(tmp_path: Path) -> None:
+    """vLLM's budget ("Available KV cache memory") and "Model loading took" are one worker's;
+    at TP = 2 each holds 4 of Llama-3.1-8B's 8 KV heads, so the cache holds twice the tokens
+    the whole model's page would give for that budget."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    per_worker = int(22.47 * 2**30)
+    halved = {**LLAMA_8B, "num_key_value_heads": 4}  # what one worker's layers hold
+    engine = capacity.predict_vllm_kv_cache(halved, per_worker, block_size=16, kv_dtype="bf16",
+                                            max_model_len=2048)
+    metrics = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+               'enable_prefix_caching="False",kv_cache_memory_bytes="None",'
+               f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
+               f'kv_cache_max_concurrency="{engine.max_concurrency}",'
+               f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
+    record = measure.ModelRecord(Variant("fp8", tmp_path, "id", "float-quantized"))
+    tp2 = EngineSettings(max_model_len=2048, tensor_parallel_size=2)
+    measure.record_engine(record, _FakeServer(metrics, A100_FP8_LOG),  # type: ignore[arg-type]
+                          tp2)
+    assert record.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] == pytest.approx(1.0, abs=0.01)
+    assert record.kv[tracking.MAX_CONCURRENCY_VS_PLANNED] == pytest.approx(1.0, abs=0.01)
+    assert record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] == 2 * int(8.49 * 2**30)
+    assert record.engine["engine_weight_memory_bytes_per_device"] == int(8.49 * 2**30)
+    assert record.engine["devices"] == 2
+
+
 def test_an_fp8_kv_cache_asked_through_vllm_args_is_planned_as_fp8() -> None:
     assert measure.kv_dtype(EngineSettings()) == "bf16"
     assert measure.kv_dtype(EngineSettings(extra_args=("--kv-cache-dtype=fp8_e4m3",))) == "fp8"
@@ -187,3 +213,114 @@ def test_the_full_campaign_leads_with_a_gpu_sized_workload_on_every_item() -> No
     full = campaigns.load("full")
     assert full.workloads[0] == "smoke" and full.limit == "all"
     assert full.plan.gpu == "auto"
+
+
+def test_the_comparisons_plan_follows_the_servers_utilisation_and_parallelism() -> None:
+    """A 70B in bf16 (~141 GB) fits 4 H100s at TP 4, not one; half the memory utilisation
+    plans fewer requests, not the 0.9 default's."""
+    config = json.loads((Path(__file__).parents[1] / "configs/models/llama-3.1-70b/config.json"
+                         ).read_text())
+    target = PlanTarget(gpu="h100-80gb", context=2048, max_context=8192)
+    def row() -> Row:
+        return Row(name="baseline", recipe="none", scheme="bf16", format="dense",
+                   precision="bf16", weight_bytes=1, weight_ratio=1.0)
+
+    one = row()
+    compare._apply_plan(one, config, target)
+    assert not one.plan and one.notes[0].startswith("plan: ")  # one H100 cannot hold it
+    tp4 = {"tensor_parallel_size": 4, "pipeline_parallel_size": 1,
+           "gpu_memory_utilization": 0.9}
+    four = row()
+    compare._apply_plan(four, config, target, tp4)
+    paged = four.plan[capacity.MAX_CONCURRENCY_PAGED]
+    assert paged > 0 and not four.notes
+    half = {**tp4, "gpu_memory_utilization": 0.5}
+    halved = row()
+    compare._apply_plan(halved, config, target, half)
+    assert 0 < halved.plan[capacity.MAX_CONCURRENCY_PAGED] < paged / 2
+    assert compare._served_as(half) == ("planned as the servers were started: TP 4 x PP 1: "
+                                        "weights and KV heads split over 4 devices, 50% of "
+                                        "each device's memory")
+    assert compare._served_as({}) == ""
+
+
+NVIDIA_SMI_L = """\
+GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1a2b3c4d-0000-0000-0000-000000000000)
+  MIG 1g.10gb     Device  0: (UUID: MIG-5c6b7a8e-1111-1111-1111-111111111111)
+  MIG 3g.40gb     Device  1: (UUID: MIG-9d8c7b6a-2222-2222-2222-222222222222)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-5e6f7a8b-0000-0000-0000-000000000000)
+"""
+
+
+def test_a_mig_slice_and_an_unlisted_card_are_not_the_full_preset(
+        monkeypatch: pytest.MonkeyPatch, workspace: Path) -> None:
+    """nvidia-smi names the parent card for a MIG slice, and an H100 NVL (94 GB) is an
+    "H100": keyed, planned and described by the memory the servers see."""
+    assert hardware.mig_profile(NVIDIA_SMI_L, "") == "1g.10gb"  # card 0 is in MIG mode
+    assert hardware.mig_profile(NVIDIA_SMI_L, "MIG-9d8c7b6a-2222-2222-2222-222222222222") \
+        == "3g.40gb"
+    assert hardware.mig_profile(NVIDIA_SMI_L, "1") == ""  # a whole card
+    full = _gpu("NVIDIA H100 80GB HBM3", 81559, "9.0")
+    gpu = hardware.Gpu("NVIDIA H100 80GB HBM3", None, "9.0", "1g.10gb")
+    mig = hardware.Profile("cuda", "x86_64", "x", 16, (), "native", "0.32.0", (gpu,))
+    nvl = _gpu("NVIDIA H100 NVL", 95830, "9.0")
+    keys = {p.key() for p in (full, mig, nvl)}
+    assert len(keys) == 3 and mig.key().endswith("-mig1g10gb")
+    models = [Variant("baseline", Path("/m"), "id")]
+    cached = set()
+    for profile in (full, mig, nvl):  # nothing measured on one is reused on another
+        monkeypatch.setattr(hardware, "profile", lambda p=profile: p)
+        cached.add((stage.cache_key(models, [], EngineSettings(), "cuda"),
+                    failure._refusal_file("id").name))
+    assert len(cached) == 3
+    assert "MIG slice 1g.10gb, 9 GiB" in mig.describe()
+    assert resolve_plan_target(PlanTarget(), full)[0].gpu == "h100-80gb"
+    target, note = resolve_plan_target(PlanTarget(), nvl)
+    assert target.memory_gb == pytest.approx(95830 * 2**20 / 1e9)
+    assert "NVIDIA H100 NVL, not a preset" in note
+    target, note = resolve_plan_target(PlanTarget(), mig)
+    assert target.memory_gb == pytest.approx(10, rel=1e-3) and "MIG slice 1g.10gb" in note
+    # priced: the slice as its whole card, the unlisted card as its family's nearest, said
+    devices = hardware.serving_devices(mig, visible="")
+    assert devices["mig"] and devices["memory_mib"] == gpu.visible_memory_mib
+    priced = cost.price_of(CostTarget(), devices)
+    assert "a MIG slice, priced as the whole GPU" in priced["source"]
+    priced = cost.price_of(CostTarget(), hardware.serving_devices(nvl, visible=""))
+    assert "NVIDIA H100 NVL has no preset, priced as the nearest" in priced["source"]
+
+
+def test_every_served_score_comes_before_any_model_loaded_in_this_process(
+        monkeypatch: pytest.MonkeyPatch, workspace: Path) -> None:
+    """An emulated model (hf, on the GPU) holds memory a vLLM server started after it lacks
+    ("Free memory on device ... less than desired GPU memory utilization"): every served
+    score first, the refused format's emulated score after, the emulated baseline last."""
+    from types import SimpleNamespace
+
+    from pipeline.eval import score as scoring
+    from pipeline.eval import stage as evaluation
+    from pipeline.serve import UnsupportedFormat
+
+    calls: list[tuple[str, str]] = []
+
+    def fake_score(base_name: str, model: Variant, tasks: list, backend: str, *a: object,
+                   **k: object) -> dict:
+        calls.append((model.name, backend))
+        if model.name == "mxfp4" and backend == lm.SERVED:
+            raise UnsupportedFormat("no MXFP4 kernel", reason="no MXFP4 kernel")
+        return {"t": SimpleNamespace(command="lm_eval ...")}
+
+    monkeypatch.setattr(scoring, "score", fake_score)
+    monkeypatch.setattr(evaluation, "score", fake_score)
+    for name in ("compare", "suite_figures", "print_report", "write_summary", "log_mlflow"):
+        monkeypatch.setattr(evaluation, name, lambda *a, **k: None)
+    monkeypatch.setattr(evaluation, "prepare_for", lambda tasks: tasks)
+    base = SimpleNamespace(name="tiny", path=Path("/m"), identity="b")
+    monkeypatch.setattr(evaluation, "baseline_variant",
+                        lambda b: Variant("baseline", Path("/m"), "b"))
+    models = [Variant(n, Path(f"/{n}"), n) for n in ("fp8", "mxfp4", "int8")]
+    report = evaluation.evaluate(base, models, [SimpleNamespace(name="t")],  # type: ignore
+                                 EvalSettings(baseline="tiny", divergence=False), track=False)
+    assert calls == [("fp8", lm.SERVED), ("mxfp4", lm.SERVED), ("int8", lm.SERVED),
+                     ("baseline", lm.SERVED), ("mxfp4", lm.EMULATED),
+                     ("baseline", lm.EMULATED)]
+    assert report["mxfp4"].backend == lm.EMULATED and report["int8"].backend == lm.SERVED

@@ -62,7 +62,7 @@ def test_nvidia_smi_rows_with_mig_memory_and_without_compute_capability() -> Non
     assert gpus[1].memory_mib is None and gpus[1].compute_capability == "8.0"
     assert gpus[2].compute_capability == ""
     h100 = hardware.Profile("cuda", "x86_64", "x", 8, (), "native", "0.32.0", gpus[:1])
-    assert h100.key() == "cuda-nvidia-h100-80gb-hbm3-sm90"
+    assert h100.key() == "cuda-nvidia-h100-80gb-hbm3-sm90-80g"
     assert "compute capability 9.0" in h100.describe()
 
 

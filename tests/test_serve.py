@@ -251,6 +251,29 @@ def test_an_out_of_memory_crash_is_not_recorded_as_unsupported(tmp_path: Path, f
     assert "OutOfMemoryError" in err.value.reason
 
 
+@pytest.mark.parametrize("line, refused", [
+    # vLLM's refusal sites, as their format strings write them
+    ("ValueError: The quantization method compressed-tensors is not supported for the current "
+     "GPU. Minimum capability: 80. Current capability: 75.", True),
+    ("RuntimeError: Quantization scheme is not supported for the current GPU. Min capability: "
+     "89. Current capability: 80.", True),
+    ("ValueError: fp8 quantization is currently not supported in cpu.", True),
+    ("ValueError: No compressed-tensors compatible scheme was found for layer_name='x'", True),
+    # GPU-only crashes (compile, CUDA graphs, a missing CUDA op): failures, not hardware facts
+    ("RuntimeError: CUDA error: operation not supported when stream is capturing", False),
+    ("torch._dynamo.exc.Unsupported: call_function BuiltinVariable(setattr) is not supported",
+     False),
+    ("NotImplementedError: Could not run 'aten::_fp8_op' with arguments from the 'CUDA' backend",
+     False),
+    ("NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, "
+     "however received num_bits=4, type=int", False),  # the checkpoint's, on any hardware
+])
+def test_only_vllms_refusal_sites_mean_unsupported(line: str, refused: bool) -> None:
+    reason, unsupported = failure_reason(f"(EngineCore pid=7) ERROR 12-01 10:00:00 [core.py:1] "
+                                         f"{line}\n")
+    assert unsupported is refused and reason == line.rstrip(".")
+
+
 def test_failure_reason_ignores_warnings_and_prefers_a_resource_failure() -> None:
     log = ("WARNING 11-30 [x.py:1] FP8 KV cache is not supported on this device\n"
            "ERROR 11-30 [core.py:1] RuntimeError: CUDA error: out of memory\n")

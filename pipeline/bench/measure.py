@@ -27,7 +27,7 @@ from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
 from pipeline.plan import capacity
-from pipeline.plan.architecture import checkpoint_kv_dtype
+from pipeline.plan.architecture import checkpoint_kv_dtype, parse_architecture
 from pipeline.serve import (
     EngineSettings,
     ServeError,
@@ -189,11 +189,15 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
     "Available KV cache memory" (GPU; ``kv_cache_memory_bytes`` is not exported there unless
     set), else the CPU setting. With no known budget there is no prediction to compare."""
     engine_log = engine_metrics.read_log(server.log_text())
+    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
     record.engine = {"scheme": engine_log.scheme, "kernels": list(engine_log.kernels),
                      "fp8_weight_only": engine_log.fp8_weight_only,
-                     "enforce_eager": server.settings.enforce_eager}
+                     "enforce_eager": server.settings.enforce_eager, "devices": tp * pp}
     if engine_log.weight_memory_bytes:
-        record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = engine_log.weight_memory_bytes
+        # "Model loading took" is one worker's: each of the TP x PP devices holds its share
+        per_device = engine_log.weight_memory_bytes
+        record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = per_device * tp * pp
+        record.engine["engine_weight_memory_bytes_per_device"] = per_device
     info = engine_metrics.kv_cache_info(
         engine_metrics.parse(server.metrics_text("the KV-cache read-out (/metrics)")),
         server.log_text())
@@ -215,8 +219,13 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         return
     record.engine["kv_budget_source"] = source
     record.kv[tracking.KV_CACHE_MEMORY_BYTES] = budget
+    # the budget is one worker's, and each worker holds its share of every token's KV cache
+    # (its KV heads, its layers): the whole cache is the budget over that share, as make plan
+    # counts it
+    shards = parse_architecture(config).kv_shards(tp, pp)
     planned = capacity.predict_vllm_kv_cache(
-        config, budget, block_size=info.block_size or (128 if server.target == "cpu" else 16),
+        config, budget * shards,
+        block_size=info.block_size or (128 if server.target == "cpu" else 16),
         kv_dtype=cache_dtype, max_model_len=settings.max_model_len)
     record.kv.update({
         capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,

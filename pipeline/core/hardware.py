@@ -20,7 +20,7 @@ import os
 import platform
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,19 @@ LIBRARY_ISA = {"_C": "AVX-512 with bf16", "_C_AVX512": "AVX-512 without bf16",
 
 @dataclass(frozen=True)
 class Gpu:
-    name: str
+    name: str  # the parent card's, also for a MIG slice (as nvidia-smi names it)
     memory_mib: int | None  # None where nvidia-smi says [N/A] (MIG instances)
     compute_capability: str  # "9.0"; "" if the driver does not report it
+    mig_profile: str = ""  # "1g.10gb" where the device the servers see is a MIG slice
+
+    @property
+    def visible_memory_mib(self) -> int | None:
+        """The memory a server on this device has: the card's, or its MIG slice's (the
+        profile's nominal GB)."""
+        if self.mig_profile:
+            found = re.search(r"\.(\d+)gb$", self.mig_profile)
+            return int(found.group(1)) * 1000 * 1000 * 1000 // 2**20 if found else None
+        return self.memory_mib
 
 
 @dataclass(frozen=True)
@@ -97,14 +107,21 @@ class Profile:
             gpu = self.gpus[0]
             name = re.sub(r"[^A-Za-z0-9]+", "-", gpu.name).strip("-").lower()
             cc = gpu.compute_capability.replace(".", "")
-            return f"cuda-{name}-sm{cc or 'unknown'}"
+            # the memory the servers see: an H100 NVL (94 GB) or a MIG slice is not an H100 80GB
+            memory = gpu.visible_memory_mib
+            size = f"-{round(memory / 1024)}g" if memory else ""
+            mig = "-mig" + re.sub(r"[^a-z0-9]+", "", gpu.mig_profile) if gpu.mig_profile else ""
+            return f"cuda-{name}-sm{cc or 'unknown'}{size}{mig}"
         return f"cpu-{self.isa}"
 
     def describe(self) -> str:
         """One line for tables, run params and the report."""
         if self.target == "cuda" and self.gpus:
             gpu = self.gpus[0]
-            memory = f"{gpu.memory_mib / 1024:.0f} GiB" if gpu.memory_mib else "memory n/a"
+            visible = gpu.visible_memory_mib
+            memory = f"{visible / 1024:.0f} GiB" if visible else "memory n/a"
+            if gpu.mig_profile:
+                memory = f"MIG slice {gpu.mig_profile}, {memory}"
             cc = f", compute capability {gpu.compute_capability}" \
                 if gpu.compute_capability else ""
             count = f"{len(self.gpus)}x " if len(self.gpus) > 1 else ""
@@ -125,8 +142,8 @@ class Profile:
     def from_dict(cls, data: dict[str, Any], target: str) -> Profile:
         """A profile read back from :meth:`as_dict` as a run recorded it (``target`` where the
         record lacks one; missing facts left empty)."""
-        gpus = tuple(Gpu(g.get("name", "?"), g.get("memory_mib"), g.get("compute_capability", ""))
-                     for g in data.get("gpus") or ())
+        gpus = tuple(Gpu(g.get("name", "?"), g.get("memory_mib"), g.get("compute_capability", ""),
+                         g.get("mig_profile", "")) for g in data.get("gpus") or ())
         return cls(target=data.get("target", target), machine=data.get("machine", ""),
                    cpu_model=data.get("cpu_model", "?"), cores=int(data.get("cores") or 0),
                    cpu_flags=tuple(data.get("cpu_flags") or ()),
@@ -143,8 +160,9 @@ def serving_devices(prof: Profile, tensor_parallel: int = 1, pipeline_parallel: 
     if prof.target == "cuda" and prof.gpus:
         gpu = prof.gpus[0]
         seen = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
-        mig = "MIG-" in seen or gpu.memory_mib is None
-        return {"unit": "gpu", "kind": gpu.name, "memory_mib": gpu.memory_mib,
+        mig = bool(gpu.mig_profile) or "MIG-" in seen or gpu.memory_mib is None
+        return {"unit": "gpu", "kind": gpu.name, "memory_mib": gpu.visible_memory_mib,
+                "mig_profile": gpu.mig_profile,
                 "count": tensor_parallel * pipeline_parallel, "mig": mig,
                 "host_gpus": len(prof.gpus), "key": prof.key()}
     return {"unit": "host", "kind": f"{prof.cpu_model} ({prof.cores} cores)", "count": 1,
@@ -188,16 +206,46 @@ def parse_nvidia_smi(csv: str) -> tuple[Gpu, ...]:
     return tuple(gpus)
 
 
+_GPU_LINE = re.compile(r"^GPU\s+(\d+):")
+_MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+\d+:\s*\(UUID:\s*(MIG-[^)\s]+)\)")
+
+
+def mig_profile(listing: str, visible: str) -> str:
+    """The MIG profile ("1g.10gb") of the device the servers see, from ``nvidia-smi -L``:
+    the slice ``visible`` (CUDA_VISIBLE_DEVICES) names by UUID, else the first slice of the
+    first card it names by index (card 0 when it names none): where a card is in MIG mode,
+    CUDA sees its slices, not the card. "" where that device is a whole card."""
+    first = visible.split(",")[0].strip()
+    card = int(first) if first.isdigit() else 0
+    slices, current = [], -1
+    for line in listing.splitlines():
+        if found := _GPU_LINE.match(line):
+            current = int(found.group(1))
+        elif found := _MIG_LINE.match(line):
+            slices.append((current, found.group(1), found.group(2)))
+    named = [profile for _, profile, uuid in slices if uuid in visible]
+    on_card = [profile for index, profile, _ in slices if index == card]
+    return (named or ([] if first.startswith("MIG-") else on_card) or [""])[0]
+
+
+def _nvidia_smi(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
 def _gpus() -> tuple[Gpu, ...]:
     for fields in ("name,memory.total,compute_cap", "name,memory.total"):
-        try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}",
-                                  "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.SubprocessError):
-            return ()
-        if out.returncode == 0:
-            return parse_nvidia_smi(out.stdout)
+        out = _nvidia_smi(f"--query-gpu={fields}", "--format=csv,noheader,nounits")
+        if out is not None:
+            gpus = parse_nvidia_smi(out)
+            profile = mig_profile(_nvidia_smi("-L") or "",
+                                  os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+            if gpus and profile:
+                gpus = (replace(gpus[0], mig_profile=profile), *gpus[1:])
+            return gpus
     return ()
 
 

@@ -193,8 +193,8 @@ PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off 
 SERVER_PEAK_MEMORY_BYTES = "server_peak_memory_bytes"  # RSS of the process tree (CPU); on GPUs
 # nvidia-smi's figure, which is ~gpu_memory_utilization x the card whatever the model: the
 # two below say what weights and KV cache take
-ENGINE_WEIGHT_MEMORY_BYTES = "engine_weight_memory_bytes"  # "Model loading took X GiB" (GPU)
-KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used
+ENGINE_WEIGHT_MEMORY_BYTES = "engine_weight_memory_bytes"  # "Model loading took X GiB" x TP x PP
+KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used, per device
 # capacity at a latency objective (a workload with an slo): the highest max concurrency found
 # to meet it, and the medians measured there
 SLO_MAX_CONCURRENCY = "slo_max_concurrency"  # the largest load shown to meet the objective

@@ -246,6 +246,17 @@ def run_task(lm: Any, model_args: str | None, model: Variant, task: suites.Task,
     return result
 
 
+def free_accelerator_memory() -> None:
+    """Collect what a finished model left and return the CUDA allocator's cache."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def _lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
         pool: ServerPool | None = None) -> Iterator[tuple[Any, str | None, VllmServer | None]]:
@@ -269,6 +280,10 @@ def _lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
     else:
         from lm_eval.models.huggingface import HFLM
 
-        yield HFLM(pretrained=str(model.path), dtype=divergence.HF_DTYPE,
-                   batch_size=settings.batch_size,
-                   device=hardware.torch_device()), None, None
+        lm = HFLM(pretrained=str(model.path), dtype=divergence.HF_DTYPE,
+                  batch_size=settings.batch_size, device=hardware.torch_device())
+        try:
+            yield lm, None, None
+        finally:  # the model's GPU memory back for what runs next (a vLLM server)
+            del lm
+            free_accelerator_memory()

@@ -105,18 +105,20 @@ def score(base_name: str, model: Variant, tasks: list[suites.Task], backend: str
 
 
 def score_variant(base_name: str, model: Variant, tasks: list[suites.Task], settings: EvalSettings,
-                  force: bool = False, pool: ServerPool | None = None
-                  ) -> tuple[str, dict[str, TaskResult]]:
-    """Served when vLLM serves this format here (or ``--backend``), else emulated."""
+                  force: bool = False, pool: ServerPool | None = None, emulate: bool = True
+                  ) -> tuple[str, dict[str, TaskResult]] | None:
+    """Served when vLLM serves this format here (or ``--backend``), else emulated.
+    ``emulate=False``: None where it is to be emulated, for the caller to score after every
+    served model (a model loaded in this process holds GPU memory a vLLM server then needs)."""
     from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
 
     if settings.backend == "hf":
-        return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
+        return score_emulated(base_name, model, tasks, settings, force) if emulate else None
     known = known_refusal(model.identity)
     if settings.backend == "auto" and known and not force:
         log.info(f"{model.name}: vLLM cannot serve it here ({known}); scoring "
                  "with lm-eval's hf backend on de-compressed weights (emulated)")
-        return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
+        return score_emulated(base_name, model, tasks, settings, force) if emulate else None
     try:
         return SERVED, score(base_name, model, tasks, SERVED, settings, force, pool)
     except UnsupportedFormat as err:
@@ -126,4 +128,10 @@ def score_variant(base_name: str, model: Variant, tasks: list[suites.Task], sett
         remember_refusal(model.identity, reason)
         log.info(f"{model.name}: vLLM cannot serve it here ({reason}); scoring with "
                  "lm-eval's hf backend on de-compressed weights (emulated)")
-        return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)
+        return score_emulated(base_name, model, tasks, settings, force) if emulate else None
+
+
+def score_emulated(base_name: str, model: Variant, tasks: list[suites.Task],
+                   settings: EvalSettings, force: bool = False
+                   ) -> tuple[str, dict[str, TaskResult]]:
+    return EMULATED, score(base_name, model, tasks, EMULATED, settings, force)

@@ -9,6 +9,8 @@ for both and recorded. One variant's failure is recorded and the others are scor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +22,7 @@ from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
 from pipeline.eval.lm import EMULATED, SERVED, EvalError, TaskResult, serve_command
 from pipeline.eval.prepare import prepare_for
-from pipeline.eval.score import cache_root, score, score_variant
+from pipeline.eval.score import cache_root, score, score_emulated, score_variant
 from pipeline.eval.settings import EvalSettings
 from pipeline.eval.summary import (
     compare,
@@ -99,6 +101,17 @@ def _divergences(base: baselines.Baseline, variants: list[Variant]
     return divergence.measure_all(base.path, caches)
 
 
+@contextlib.contextmanager
+def _one_of_many(base: baselines.Baseline, model: Variant, report: dict[str, Scored]
+                 ) -> Iterator[None]:
+    """One variant's failure is recorded in ``report``; the others go on."""
+    try:
+        yield
+    except (EvalError, ServeError) as err:
+        log.warning(f"{model.name}: FAILED, the other variants go on: {err}")
+        report[model.name] = Scored(failed=write_failure(base.name, model, err))
+
+
 def evaluate(base: baselines.Baseline, variants: list[Variant], tasks: list[suites.Task],
              settings: EvalSettings, pool: ServerPool | None = None, track: bool = True
              ) -> dict[str, Scored]:
@@ -111,19 +124,31 @@ def evaluate(base: baselines.Baseline, variants: list[Variant], tasks: list[suit
     base_model = baseline_variant(base)
     scored: dict[str, tuple[str, dict[str, TaskResult]]] = {}
     report: dict[str, Scored] = {}
+    # every served score first, then the emulated ones: a model loaded in this process (on a
+    # GPU) holds memory that a vLLM server started after it would need
+    emulate: list[Variant] = []
     for number, model in enumerate(variants, start=1):
         log.info(f"variant {number}/{len(variants)}: {model.name} ({len(tasks)} task(s))")
-        try:
-            scored[model.name] = score_variant(base.name, model, tasks, settings,
-                                               settings.force, pool)
-        except (EvalError, ServeError) as err:  # one variant never sinks the others
-            log.warning(f"{model.name}: FAILED, the other variants go on: {err}")
-            report[model.name] = Scored(failed=write_failure(base.name, model, err))
+        with _one_of_many(base, model, report):
+            found = score_variant(base.name, model, tasks, settings, settings.force, pool,
+                                  emulate=False)
+            if found is None:
+                emulate.append(model)
+            else:
+                scored[model.name] = found
+    backends = [*([SERVED] if scored or (settings.backend != "hf" and not emulate) else []),
+                *([EMULATED] if emulate or settings.backend == "hf" else [])]
+    base_results = {}
+    if SERVED in backends:
+        base_results[SERVED] = _score_baseline(base, base_model, tasks, SERVED, settings, pool)
+    for model in emulate:
+        with _one_of_many(base, model, report):
+            scored[model.name] = score_emulated(base.name, model, tasks, settings,
+                                                settings.force)
+    if EMULATED in backends:
+        base_results[EMULATED] = _score_baseline(base, base_model, tasks, EMULATED, settings,
+                                                 pool)
     variants = [m for m in variants if m.name in scored]
-    backends = sorted({b for b, _ in scored.values()}) or [
-        EMULATED if settings.backend == "hf" else SERVED]
-    base_results = {b: _score_baseline(base, base_model, tasks, b, settings, pool)
-                    for b in backends}
     divs = _divergences(base, variants) if settings.divergence else {}
     base_div = divs.get(base.path)
     for backend, results in base_results.items():

@@ -79,9 +79,14 @@ def get_accelerator(name: str, directory: Path = ACCELERATORS_DIR) -> Accelerato
 FAMILIES = ("h200", "h100", "a100", "l40s", "l4", "a10", "b200", "gb200")
 
 
-def detect(gpu_name: str, memory_mib: int | None,
-           directory: Path = ACCELERATORS_DIR) -> Accelerator | None:
-    """The preset for this card (its family in the name, the nearest memory), or None."""
+MEMORY_TOLERANCE = 0.05  # a preset is this card when their memories differ by at most this
+
+
+def detect(gpu_name: str, memory_mib: int | None, directory: Path = ACCELERATORS_DIR,
+           exact: bool = True) -> Accelerator | None:
+    """The preset for this card: its family in the name and, ``exact``, its memory within 5%
+    of the preset's (an H100 NVL's 94 GB is not the H100 80GB preset; a MIG slice is none);
+    not ``exact``: the family's preset nearest in memory. None where none is."""
     name = gpu_name.lower().replace("-", " ")
     family = next((f for f in FAMILIES if f in name.split() or f in name.replace(" ", "")), None)
     if family is None:
@@ -93,4 +98,6 @@ def detect(gpu_name: str, memory_mib: int | None,
         return None
     if memory_mib is None:
         return candidates[0] if len(candidates) == 1 else None
-    return min(candidates, key=lambda p: abs(p.memory_bytes - memory_mib * 2**20))
+    nearest = min(candidates, key=lambda p: abs(p.memory_bytes - memory_mib * 2**20))
+    off = abs(nearest.memory_bytes - memory_mib * 2**20) / nearest.memory_bytes
+    return nearest if not exact or off <= MEMORY_TOLERANCE else None

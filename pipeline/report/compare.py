@@ -12,6 +12,7 @@ Reads only what the stages left on disk (nothing is re-measured):
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, 
         preset = get_accelerator(target.gpu)
         if gpu is None:
             return target, f"planned for {preset.description}; this machine has no GPU"
-        here = detect_accelerator(gpu.name, gpu.memory_mib)
+        here = detect_accelerator(gpu.name, gpu.visible_memory_mib)
         same = here is not None and here.name == preset.name
         return target, "" if same else (f"planned for {preset.description}, not for this "
                                         f"machine's {gpu.name}")
@@ -74,36 +75,62 @@ def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, 
         return target.model_copy(update={"gpu": DEFAULT_PLAN_GPU}), (
             f"planned for {get_accelerator(DEFAULT_PLAN_GPU).description}: this machine has no "
             "GPU (PLAN_GPU= picks another)")
-    here = detect_accelerator(gpu.name, gpu.memory_mib)
+    visible = gpu.visible_memory_mib
+    here = detect_accelerator(gpu.name, visible)
     if here is not None:
         return target.model_copy(update={"gpu": here.name}), ""
-    if gpu.memory_mib:
-        return target.model_copy(update={"memory_gb": gpu.memory_mib * 2**20 / 1e9}), ""
+    if visible:
+        what = (f"the MIG slice {gpu.mig_profile} of an {gpu.name}" if gpu.mig_profile else
+                f"{gpu.name}, not a preset (configs/accelerators)")
+        return target.model_copy(update={"memory_gb": visible * 2**20 / 1e9}), (
+            f"planned for {visible * 2**20 / 1e9:.0f} GB: {what}")
     return target.model_copy(update={"gpu": DEFAULT_PLAN_GPU}), (
         f"planned for {DEFAULT_PLAN_GPU}: {gpu.name} has no preset and reports no memory")
 
 
 def plan_settings(target: PlanTarget, precision: str, group_size: int,
-                  kv_dtype: str = "bf16") -> capacity.PlanSettings:
+                  kv_dtype: str = "bf16", engine: Mapping[str, Any] | None = None
+                  ) -> capacity.PlanSettings:
+    """The planner's settings for one variant on ``target``, with the memory utilisation and
+    the tensor / pipeline parallelism its servers were started with (``engine``: a bench run's
+    engine settings; none: vLLM's defaults, one device)."""
     if target.memory_gb is not None:
         memory, block = int(target.memory_gb * 1e9), 16
     else:
         preset = get_accelerator(target.gpu)
         memory, block = preset.memory_bytes, preset.block_size
-    return capacity.PlanSettings(weights=precision, kv_dtype=kv_dtype, context=target.context,
-                                 max_context=target.max_context, memory_bytes=memory,
-                                 block_size=block, int4_group_size=group_size)
+    engine = engine or {}
+    return capacity.PlanSettings(
+        weights=precision, kv_dtype=kv_dtype, context=target.context,
+        max_context=target.max_context, memory_bytes=memory, block_size=block,
+        int4_group_size=group_size,
+        utilization=float(engine.get("gpu_memory_utilization") or 0.9),
+        tensor_parallel=int(engine.get("tensor_parallel_size") or 1),
+        pipeline_parallel=int(engine.get("pipeline_parallel_size") or 1))
 
 
-def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget) -> None:
+def _served_as(engine: Mapping[str, Any]) -> str:
+    """How the servers were started, where the plan follows them away from the defaults."""
+    tp = int(engine.get("tensor_parallel_size") or 1)
+    pp = int(engine.get("pipeline_parallel_size") or 1)
+    util = float(engine.get("gpu_memory_utilization") or 0.9)
+    parts = [f"TP {tp} x PP {pp}: weights and KV heads split over {tp * pp} devices"] \
+        if tp * pp > 1 else []
+    if util != 0.9:
+        parts.append(f"{util:.0%} of each device's memory")
+    return f"planned as the servers were started: {', '.join(parts)}" if parts else ""
+
+
+def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget,
+                engine: Mapping[str, Any] | None = None) -> None:
     _, _, tail = row.scheme.rpartition("-G")
     group = int(tail) if tail.isdigit() else 128
     try:
         if row.precision == MIXED:
-            plan, weights = _plan_mixed(row, config, target)
+            plan, weights = _plan_mixed(row, config, target, engine)
         else:
             plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group,
-                                                                row.kv_dtype))
+                                                                row.kv_dtype, engine))
             weights = plan.weight_bytes
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
@@ -112,16 +139,19 @@ def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget) -> None:
     row.plan[capacity.WEIGHT_BYTES] = weights
 
 
-def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget
-                ) -> tuple[capacity.CapacityPlan, int]:
+def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget,
+                engine: Mapping[str, Any] | None = None) -> tuple[capacity.CapacityPlan, int]:
     """A layer-by-layer mix has no one precision: its planned weights are the bf16 plan's
-    scaled by the checkpoint's measured ratio to the baseline, and the KV cache gets the rest."""
+    scaled by the checkpoint's measured ratio to the baseline, and the KV cache gets the rest
+    (on each device its share, as plan_capacity counts it)."""
     import dataclasses
 
-    settings = plan_settings(target, "bf16", 128, row.kv_dtype)
-    weights = int(capacity.plan_capacity(config, settings).weight_bytes * row.weight_ratio)
-    budget = capacity.kv_budget(settings.memory_bytes or 0, settings.utilization, weights,
-                                settings.reserve_bytes)
+    settings = plan_settings(target, "bf16", 128, row.kv_dtype, engine)
+    bf16 = capacity.plan_capacity(config, settings)
+    weights = int(bf16.weight_bytes * row.weight_ratio)
+    budget = capacity.kv_budget(settings.memory_bytes or 0, settings.utilization,
+                                settings.per_device(weights), settings.reserve_bytes) * \
+        bf16.arch.kv_shards(settings.tensor_parallel, settings.pipeline_parallel)
     plan = capacity.plan_capacity(config, dataclasses.replace(settings, kv_budget_bytes=budget))
     row.notes.append("plan: mixed precision, planned with the bf16 weights scaled by the "
                      f"checkpoint's measured {row.weight_ratio:.3f}")
@@ -395,8 +425,13 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                        "reference_dtype": ref.reference.get("dtype", "")}
     failed = list(failures or [])
     tables = _tables(base)
+    # planned as the servers were started (memory utilisation, TP x PP), where they were
+    engine = reference[1].engine if reference is not None else None
+    served_as = _served_as(engine or {})
+    if served_as:
+        plan_note = f"{plan_note}; {served_as}" if plan_note else served_as
     for row in rows:
-        _apply_plan(row, config, target)
+        _apply_plan(row, config, target, engine)
         if row.name != BASELINE:
             _apply_search(row, base, tables)
         in_reference = _holds(reference[1], row.name, identities[row.name]) \

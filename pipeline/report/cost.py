@@ -41,11 +41,15 @@ def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
         return {"price_per_hour": target.price_per_hour, "example": False,
                 "source": "PRICE_PER_HOUR / the campaign's cost.price_per_hour"}
     if devices.get("unit") == "gpu":
-        preset = detect_accelerator(str(devices.get("kind", "")), devices.get("memory_mib"))
+        # a slice is priced as its card (the memory it reports is the slice's)
+        memory = None if devices.get("mig") else devices.get("memory_mib")
+        kind = str(devices.get("kind", ""))
+        preset = detect_accelerator(kind, memory, exact=False)
         if preset is not None and preset.price_per_hour:
             count = int(devices.get("count") or 1)
-            slice_note = (": a MIG slice, priced as the whole GPU" if devices.get("mig")
-                          else "")
+            exact = devices.get("mig") or detect_accelerator(kind, memory) is not None
+            slice_note = (": a MIG slice, priced as the whole GPU" if devices.get("mig") else
+                          "" if exact else f": {kind} has no preset, priced as the nearest")
             return {"price_per_hour": preset.price_per_hour * count, "example": True,
                     "source": f"{count} x {preset.name}'s example price_per_hour "
                               f"(configs/accelerators{slice_note}; TP x PP GPUs per server; "

@@ -16,16 +16,24 @@ from pipeline.core.errors import QpipeError
 from pipeline.core.fsutil import read_json, write_json_atomic
 from pipeline.core.provenance import vllm_version
 
-# Error lines of a failed engine that say it cannot run a format on this hardware.
+# vLLM's own refusal sites: the error lines by which it says it cannot run a format on this
+# hardware (vLLM 0.32). Nothing broader: compile and CUDA-graph errors on GPUs ("operation not
+# supported when stream is capturing", "... is not supported" from torch.compile) are failures,
+# and a failure is never remembered as a fact of the hardware.
 UNSUPPORTED_PATTERNS = (
-    r"Failed to find a kernel",
-    r"'_OpNamespace' '_C\w*' object has no attribute",  # a kernel library without the op
-    r"[Nn]o (?:compressed-tensors )?compatible (?:scheme|kernel)",
-    r"is not supported",
-    r"not (?:currently )?supported",
-    r"[Nn]ot ?[Ii]mplemented",
-    r"requires? (?:x86 with )?(?:AVX|AMX|CUDA|a GPU|compute capability)",
-    r"Marlin .* not available",
+    # kernel selection (model_executor/kernels/linear): no kernel for this scheme here
+    r"Failed to find a kernel that can implement",
+    # a vLLM CPU kernel library (_C_AVX2) without the format's op (cpu_gemm_wna16)
+    r"'_OpNamespace' '_C\w*' object has no attribute",
+    # compressed-tensors / quark: no scheme for this layer's format on this device
+    r"No (?:compressed-tensors|quark) compatible scheme was found",
+    # the quantization method's capability checks (config/vllm.py, compressed_tensors.py)
+    r"is not supported for the current GPU\. M(?:in|inimum) capability",
+    r"Quantization scheme is not supported for the current GPU",
+    # the platform's supported_quantization (platforms/interface.py)
+    r"quantization is currently not supported in \w+",
+    # the CPU attention backend (v1/attention/backends/cpu_attn.py)
+    r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX",
 )
 # Fatal errors about resources, never a format: an out-of-memory crash is not "unsupported",
 # whatever the log said before it.
@@ -62,7 +70,7 @@ def failure_reason(log_text: str) -> tuple[str, bool]:
                 return _strip_log_prefix(line), True
     errors = [i for i, ln in enumerate(lines) if re.search(r"(Error|Exception)\b.*:", ln)]
     if not errors:
-        return (lines[-1] if lines else "no output"), False
+        return (_strip_log_prefix(lines[-1]) if lines else "no output"), False
     reason = _strip_log_prefix(lines[errors[-1]])
     if re.search(r"validation errors? for \w+$", reason) and errors[-1] + 1 < len(lines):
         reason += ": " + _strip_log_prefix(lines[errors[-1] + 1])  # pydantic: the detail follows
