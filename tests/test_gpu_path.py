@@ -38,6 +38,8 @@ memory and 6.123456 seconds
 """
 H100_INT4_LOG = """\
 (EngineCore pid=7) INFO 11-30 10:00:02 [compressed_tensors_wNa16.py:138] Using \
+MarlinLinearKernel for CompressedTensorsWNA16
+(EngineCore pid=7) INFO 11-30 10:00:02 [compressed_tensors_wNa16.py:138] Using \
 MacheteLinearKernel for CompressedTensorsWNA16
 (EngineCore pid=7) INFO 11-30 10:00:09 [gpu_model_runner.py:5150] Model loading took 5.37 GiB \
 memory and 4.2 seconds
@@ -66,7 +68,8 @@ def test_fp8_on_ampere_is_recorded_as_weight_only_with_its_memory_split() -> Non
     assert log.kv_cache_memory_bytes == int(22.47 * 2**30)
     h100 = engine_metrics.read_log(H100_INT4_LOG)
     assert h100.scheme == "WNA16" and not h100.fp8_weight_only
-    assert h100.kernels == ("MacheteLinearKernel for CompressedTensorsWNA16",)
+    assert h100.kernels == ("MarlinLinearKernel for CompressedTensorsWNA16",
+                            "MacheteLinearKernel for CompressedTensorsWNA16")
     assert h100.kv_cache_memory_bytes is None
 
 
@@ -324,3 +327,71 @@ def test_every_served_score_comes_before_any_model_loaded_in_this_process(
                      ("baseline", lm.SERVED), ("mxfp4", lm.EMULATED),
                      ("baseline", lm.EMULATED)]
     assert report["mxfp4"].backend == lm.EMULATED and report["int8"].backend == lm.SERVED
+
+
+SMOLLM2_INT4 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                "vocab_size": 49152, "quantization_config": {"config_groups": {"group_0": {
+                    "weights": {"num_bits": 4, "type": "int", "group_size": 64}}}}}
+
+
+def test_int4_on_hopper_runs_machete_only_where_its_shape_rules_hold(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """vLLM logs the kernels it used, not which layers: by its rules, SmolLM2's 576-wide
+    (q/o, down) and 960-wide (merged qkv) layers miss Machete's 128-column blocks."""
+    from pipeline.serve import wna16_kernels
+
+    kernels = wna16_kernels.by_layer(SMOLLM2_INT4, "9.0")
+    assert kernels == {"qkv_proj": "MarlinLinearKernel", "o_proj": "MarlinLinearKernel",
+                       "gate_up_proj": "MacheteLinearKernel", "down_proj": "MarlinLinearKernel"}
+    llama = {**LLAMA_8B, "quantization_config": SMOLLM2_INT4["quantization_config"]}
+    assert set(wna16_kernels.by_layer(llama, "9.0").values()) == {"MacheteLinearKernel"}
+    assert set(wna16_kernels.by_layer(llama, "8.0").values()) == {"MarlinLinearKernel"}
+    assert set(wna16_kernels.by_layer(llama, "10.0").values()) == {"MarlinLinearKernel"}
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_INT4))
+    monkeypatch.setattr(hardware, "profile", lambda: _gpu("NVIDIA H100 80GB HBM3", 81559, "9.0"))
+    record = measure.ModelRecord(Variant("int4", tmp_path, "id", "pack-quantized"))
+    measure.record_engine(record, _FakeServer("", H100_INT4_LOG),  # type: ignore[arg-type]
+                          EngineSettings())
+    text = record.engine["kernels_by_layer_text"]
+    assert text.startswith("MarlinLinearKernel for qkv_proj, o_proj, down_proj; "
+                           "MacheteLinearKernel for gate_up_proj")
+    assert "its log names the same kernels" in text
+    only_machete = H100_INT4_LOG.split("\n", 1)[1]  # a log naming Machete alone
+    measure.record_engine(record, _FakeServer("", only_machete),  # type: ignore[arg-type]
+                          EngineSettings())
+    assert "its log names MacheteLinearKernel" in record.engine["kernels_by_layer_text"]
+
+
+def test_the_plan_takes_the_kv_block_the_engine_used_on_that_card() -> None:
+    """A GPU attention backend's block is not always the preset's 16 (FlashInfer, MLA): where
+    the plan is for the card measured, each request is rounded up to the engine's blocks."""
+    config = json.loads((Path(__file__).parents[1] / "configs/models/llama-3.1-70b/config.json"
+                         ).read_text())
+    target = PlanTarget(gpu="h100-80gb", context=2050, max_context=8192)
+    tp4 = {"tensor_parallel_size": 4}
+    preset = capacity.plan_capacity(config, compare.plan_settings(target, "bf16", 128,
+                                                                  engine=tp4))
+    engine = capacity.plan_capacity(config, compare.plan_settings(target, "bf16", 128,
+                                                                  engine=tp4, block_size=64))
+    per_token = preset.kv_bytes_per_token_all_layers
+    assert preset.kv_bytes_per_request == 2064 * per_token  # 129 blocks of 16
+    assert engine.kv_bytes_per_request == 2112 * per_token  # 33 blocks of 64
+    assert engine.paged < preset.paged
+
+
+def test_make_all_on_a_gpu_host_runs_the_gpu_sized_workloads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(campaign, "serve_target", lambda: "cuda")
+    settings = campaign.CampaignSettings(baseline="tiny")
+    bench = campaign.stages(settings, settings.file())[1]
+    assert bench is not None and bench.workloads == ("smoke", "chat", "prefix")
+    cost = campaign.CampaignSettings(baseline="tiny", objective="cost")
+    bench = campaign.stages(cost, cost.file())[1]
+    assert bench is not None and bench.workloads[-1] == "capacity-gpu"
+    chosen = campaign.CampaignSettings(baseline="tiny", workloads=("chat",))  # WORKLOAD= wins
+    assert campaign.stages(chosen, chosen.file())[1].workloads == ("chat",)  # type: ignore
+    monkeypatch.setattr(campaign, "serve_target", lambda: "cpu")
+    assert campaign.stages(settings, settings.file())[1].workloads == (  # type: ignore
+        "chat", "prefix")

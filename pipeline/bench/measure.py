@@ -21,8 +21,8 @@ from typing import Any
 from pipeline.bench.client import BenchClient, run_client
 from pipeline.bench.slo import PILOT, CapacitySearch, single_request_figures
 from pipeline.bench.workloads import AUTO_CEILING, Workload
+from pipeline.core import hardware, tracking
 from pipeline.core import log as qlog
-from pipeline.core import tracking
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
@@ -37,6 +37,7 @@ from pipeline.serve import (
     engine_metrics,
     known_refusal,
     remember_refusal,
+    wna16_kernels,
 )
 from pipeline.serve.server import describe_command
 
@@ -198,12 +199,14 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         per_device = engine_log.weight_memory_bytes
         record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = per_device * tp * pp
         record.engine["engine_weight_memory_bytes_per_device"] = per_device
+    config = json.loads((record.variant.path / "config.json").read_text())
+    if server.target == "cuda" and "WNA16" in engine_log.schemes:
+        _wna16_kernels(record, engine_log, config, tp)
     info = engine_metrics.kv_cache_info(
         engine_metrics.parse(server.metrics_text("the KV-cache read-out (/metrics)")),
         server.log_text())
     if info is None:
         return
-    config = json.loads((record.variant.path / "config.json").read_text())
     cache_dtype = record.engine["kv_cache_dtype"] = kv_dtype(settings, config)
     record.kv = {tracking.KV_CACHE_TOKENS: info.kv_cache_tokens,
                  tracking.MAX_CONCURRENCY: info.max_concurrency,
@@ -233,6 +236,24 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         tracking.KV_CACHE_TOKENS_VS_PLANNED: info.kv_cache_tokens / planned.kv_cache_tokens,
         tracking.MAX_CONCURRENCY_VS_PLANNED: info.max_concurrency / planned.max_concurrency,
     })
+
+
+def _wna16_kernels(record: ModelRecord, engine_log: engine_metrics.EngineLog,
+                   config: dict[str, Any], tp: int) -> None:
+    """Which kernel each layer group ran on (vLLM's rules on this card), checked against the
+    kernels its log names."""
+    gpus = hardware.profile().gpus
+    chosen = wna16_kernels.by_layer(config, gpus[0].compute_capability if gpus else "", tp)
+    if not chosen:
+        return
+    logged = {k.split(" for ")[0] for k in engine_log.kernels if k.endswith("WNA16")}
+    predicted = set(chosen.values())
+    record.engine["kernels_by_layer"] = chosen
+    record.engine["kernels_by_layer_text"] = wna16_kernels.describe(chosen) + (
+        " (vLLM's kernel rules on this card's layer shapes; its log names the same kernels)"
+        if predicted == logged else
+        f" (vLLM's kernel rules; its log names {', '.join(sorted(logged)) or 'none'}: the "
+        "rules here are not vLLM's for this version)")
 
 
 def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, ModelRecord],

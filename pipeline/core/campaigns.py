@@ -36,6 +36,17 @@ class CampaignFile(BaseModel):
     # the capacity search (a workload with an slo) run when the objective ranks by its cost,
     # whatever `workloads` says; name it in `workloads` to run it for every objective
     capacity_workload: str = "capacity"
+    # on a GPU host: these instead (CPU-sized sweeps would leave an H100 idle); empty: the same
+    gpu_workloads: tuple[str, ...] = ()
+    gpu_capacity_workload: str | None = None
+
+    def for_target(self, target: str) -> CampaignFile:
+        """This campaign as it runs on a ``target`` (cpu | cuda) host."""
+        if target != "cuda" or not (self.gpu_workloads or self.gpu_capacity_workload):
+            return self
+        return self.model_copy(update={
+            "workloads": self.gpu_workloads or self.workloads,
+            "capacity_workload": self.gpu_capacity_workload or self.capacity_workload})
     # the gate threshold of every variant in this campaign, instead of each recipe's own
     # recovery_threshold_pct (said wherever a verdict is shown); None: the recipes'
     threshold: float | None = Field(None, gt=0, le=1000)

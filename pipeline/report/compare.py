@@ -89,16 +89,18 @@ def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, 
 
 
 def plan_settings(target: PlanTarget, precision: str, group_size: int,
-                  kv_dtype: str = "bf16", engine: Mapping[str, Any] | None = None
-                  ) -> capacity.PlanSettings:
+                  kv_dtype: str = "bf16", engine: Mapping[str, Any] | None = None,
+                  block_size: int | None = None) -> capacity.PlanSettings:
     """The planner's settings for one variant on ``target``, with the memory utilisation and
     the tensor / pipeline parallelism its servers were started with (``engine``: a bench run's
-    engine settings; none: vLLM's defaults, one device)."""
+    engine settings; none: vLLM's defaults, one device) and ``block_size``, the KV block the
+    engine used on that card where it was measured there (else the preset's)."""
     if target.memory_gb is not None:
         memory, block = int(target.memory_gb * 1e9), 16
     else:
         preset = get_accelerator(target.gpu)
         memory, block = preset.memory_bytes, preset.block_size
+    block = block_size or block
     engine = engine or {}
     return capacity.PlanSettings(
         weights=precision, kv_dtype=kv_dtype, context=target.context,
@@ -122,15 +124,15 @@ def _served_as(engine: Mapping[str, Any]) -> str:
 
 
 def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget,
-                engine: Mapping[str, Any] | None = None) -> None:
+                engine: Mapping[str, Any] | None = None, block_size: int | None = None) -> None:
     _, _, tail = row.scheme.rpartition("-G")
     group = int(tail) if tail.isdigit() else 128
     try:
         if row.precision == MIXED:
-            plan, weights = _plan_mixed(row, config, target, engine)
+            plan, weights = _plan_mixed(row, config, target, engine, block_size)
         else:
-            plan = capacity.plan_capacity(config, plan_settings(target, row.precision, group,
-                                                                row.kv_dtype, engine))
+            plan = capacity.plan_capacity(config, plan_settings(
+                target, row.precision, group, row.kv_dtype, engine, block_size))
             weights = plan.weight_bytes
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
@@ -140,13 +142,14 @@ def _apply_plan(row: Row, config: dict[str, Any], target: PlanTarget,
 
 
 def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget,
-                engine: Mapping[str, Any] | None = None) -> tuple[capacity.CapacityPlan, int]:
+                engine: Mapping[str, Any] | None = None, block_size: int | None = None
+                ) -> tuple[capacity.CapacityPlan, int]:
     """A layer-by-layer mix has no one precision: its planned weights are the bf16 plan's
     scaled by the checkpoint's measured ratio to the baseline, and the KV cache gets the rest
     (on each device its share, as plan_capacity counts it)."""
     import dataclasses
 
-    settings = plan_settings(target, "bf16", 128, row.kv_dtype, engine)
+    settings = plan_settings(target, "bf16", 128, row.kv_dtype, engine, block_size)
     bf16 = capacity.plan_capacity(config, settings)
     weights = int(bf16.weight_bytes * row.weight_ratio)
     budget = capacity.kv_budget(settings.memory_bytes or 0, settings.utilization,
@@ -292,6 +295,8 @@ def _apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[st
     if row.engine.get("fp8_weight_only"):
         row.notes.append(f"served as {row.engine['scheme']}: its speed is not an FP8 W8A8 "
                          "speed")
+    if row.engine.get("kernels_by_layer_text"):
+        row.notes.append(f"served on {row.engine['kernels_by_layer_text']}")
     row.peak_memory_bytes = entry.peak_memory_bytes
     data = entry.workloads.get(first)
     row.sweep = dict(data.points) if data else {}
@@ -427,15 +432,24 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     tables = _tables(base)
     # planned as the servers were started (memory utilisation, TP x PP), where they were
     engine = reference[1].engine if reference is not None else None
+    # the KV block each engine used, where the plan is for the card it was measured on (a
+    # GPU attention backend's block is not always the preset's 16: FlashInfer, MLA)
+    on_measured_card = (reference is not None and reference[1].target == "cuda"
+                        and not plan_note and measured_on == prof.key())
     served_as = _served_as(engine or {})
     if served_as:
         plan_note = f"{plan_note}; {served_as}" if plan_note else served_as
     for row in rows:
-        _apply_plan(row, config, target, engine)
-        if row.name != BASELINE:
-            _apply_search(row, base, tables)
         in_reference = _holds(reference[1], row.name, identities[row.name]) \
             if reference is not None else None
+        block = int(in_reference.kv.get("kv_block_size") or 0) or None \
+            if on_measured_card and in_reference is not None else None
+        _apply_plan(row, config, target, engine, block)
+        if block and get_accelerator(target.gpu).block_size != block:
+            row.notes.append(f"plan: KV blocks of {block} tokens, as its engine used them "
+                             "on this card")
+        if row.name != BASELINE:
+            _apply_search(row, base, tables)
         found = (reference[0], reference[1], in_reference) if reference and in_reference \
             else _measured_in(row.name, identities[row.name], summaries)
         if found:

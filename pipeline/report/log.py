@@ -77,6 +77,8 @@ def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
         params["comparable"] = row.comparable
     if row.engine.get("scheme"):
         params["engine_scheme"] = row.engine["scheme"][:500]
+    if row.engine.get("kernels_by_layer_text"):
+        params["engine_kernels_by_layer"] = row.engine["kernels_by_layer_text"][:500]
     return params
 
 

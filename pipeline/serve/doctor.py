@@ -94,7 +94,9 @@ def cuda_support(prof: hardware.Profile) -> list[Support]:
     return [
         rule("dense bf16", "baseline", cc >= 8.0, "bf16 needs capability >= 8.0"),
         rule("pack-quantized (W4A16)", "int4", cc >= 8.0,
-             "Machete on 9.0 (group -1/64/128), Marlin from 8.0 (group -1/32/64/128)"),
+             "Machete on 9.0 only for layers with input features % 64 and output features "
+             "% 128 on each rank (group -1/64/128), Marlin for the rest and from 8.0 (group "
+             "-1/32/64/128): the embedded model's 576- and 960-wide layers run on Marlin"),
         Support("float-quantized (FP8 W8A8)", "fp8", fp8[0], fp8[1], SOURCE),
         rule("int-quantized (INT8 W8A8)", "int8", cc >= 7.5, "CUTLASS scaled mm"),
         rule("mxfp4-pack-quantized (MXFP4)", "mxfp4", cc >= 8.0,
