@@ -172,7 +172,8 @@ def run(out: Path, shape: str | None) -> int:
             where = [f"--memory-gb={target.memory_gb}"] if target.memory_gb else \
                 [f"--gpu={target.gpu}"]
             done = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan",
-                                   f"--model={model}", *where, "--json"], capture_output=True,
+                                   f"--model={model}", *where, "--context=2048",
+                                   "--max-context=4096", "--json"], capture_output=True,
                                   text=True, timeout=300, cwd=ROOT)
             assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
             plan = json.loads(done.stdout)
@@ -240,6 +241,11 @@ def carry() -> int:
                             "--only-binary=:all:", "--python-version=3.12",
                             "--implementation=cp", *platforms, "-d", str(WHEELS), spec],
                            capture_output=True, text=True, timeout=600)
+        have = {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
+        for spec in (f"{n}=={v}" for n, v in wanted.items() if n not in have):
+            # published as a source archive only (pure Python): built into a wheel here
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
+                            str(WHEELS), spec], capture_output=True, text=True, timeout=600)
         have = {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
     wheels = [have[n] for n in wanted if n in have]
     for wheel in wheels:

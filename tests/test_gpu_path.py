@@ -340,7 +340,7 @@ def test_int4_on_hopper_runs_machete_only_where_its_shape_rules_hold(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """vLLM logs the kernels it used, not which layers: by its rules, SmolLM2's 576-wide
     (q/o, down) and 960-wide (merged qkv) layers miss Machete's 128-column blocks."""
-    from pipeline.serve import wna16_kernels
+    from pipeline.plan import wna16_kernels
 
     kernels = wna16_kernels.by_layer(SMOLLM2_INT4, "9.0")
     assert kernels == {"qkv_proj": "MarlinLinearKernel", "o_proj": "MarlinLinearKernel",

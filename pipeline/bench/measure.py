@@ -26,7 +26,7 @@ from pipeline.core import log as qlog
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
-from pipeline.plan import capacity
+from pipeline.plan import capacity, wna16_kernels
 from pipeline.plan.architecture import checkpoint_kv_dtype, parse_architecture
 from pipeline.serve import (
     EngineSettings,
@@ -37,7 +37,6 @@ from pipeline.serve import (
     engine_metrics,
     known_refusal,
     remember_refusal,
-    wna16_kernels,
 )
 from pipeline.serve.server import describe_command
 
