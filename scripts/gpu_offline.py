@@ -229,9 +229,12 @@ def needed() -> dict[str, str]:
 def carry() -> int:
     """Fetch (where pip can reach an index) and list the cp312 wheels the lent machine needs;
     the last line is ``carry: N wheels, M MiB``."""
+    def wheels_here() -> dict[str, Path]:
+        return {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
+
     wanted = needed()
     WHEELS.mkdir(exist_ok=True)
-    have = {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
+    have = wheels_here()
     missing = [f"{n}=={v}" for n, v in wanted.items() if n not in have]
     if missing:
         platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28, 31, 34)] + \
@@ -241,12 +244,12 @@ def carry() -> int:
                             "--only-binary=:all:", "--python-version=3.12",
                             "--implementation=cp", *platforms, "-d", str(WHEELS), spec],
                            capture_output=True, text=True, timeout=600)
-        have = {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
+        have = wheels_here()
         for spec in (f"{n}=={v}" for n, v in wanted.items() if n not in have):
             # published as a source archive only (pure Python): built into a wheel here
             subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
                             str(WHEELS), spec], capture_output=True, text=True, timeout=600)
-        have = {_norm(p.name.split("-")[0]): p for p in WHEELS.glob("*.whl")}
+        have = wheels_here()
     wheels = [have[n] for n in wanted if n in have]
     for wheel in wheels:
         print(f"  {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB)")

@@ -87,6 +87,15 @@ class _FakeServer:
         return self._log
 
 
+def _cache_config_info(engine: capacity.VllmKVPrediction) -> str:
+    """vLLM's cache_config_info gauge on CUDA, for a cache of ``engine``'s size."""
+    return ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'enable_prefix_caching="False",kv_cache_memory_bytes="None",'
+            f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
+            f'kv_cache_max_concurrency="{engine.max_concurrency}",'
+            f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
+
+
 def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path: Path) -> None:
     """cache_config_info's kv_cache_memory_bytes is None on CUDA unless set: the log's
     "Available KV cache memory" is the budget, not a fixed 1 GiB (~50x off)."""
@@ -94,11 +103,7 @@ def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path
     budget = int(22.47 * 2**30)
     engine = capacity.predict_vllm_kv_cache(LLAMA_8B, budget, block_size=16, kv_dtype="bf16",
                                             max_model_len=2048)
-    metrics = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
-               'enable_prefix_caching="False",kv_cache_memory_bytes="None",'
-               f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
-               f'kv_cache_max_concurrency="{engine.max_concurrency}",'
-               f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
+    metrics = _cache_config_info(engine)
     fp8 = Variant("fp8", tmp_path, "id", "float-quantized")
     record = measure.ModelRecord(fp8)
     measure.record_engine(record, _FakeServer(metrics, A100_FP8_LOG),  # type: ignore[arg-type]
@@ -125,11 +130,7 @@ def test_at_tp_2_each_workers_budget_holds_its_share_of_the_kv_heads(tmp_path: P
     halved = {**LLAMA_8B, "num_key_value_heads": 4}  # what one worker's layers hold
     engine = capacity.predict_vllm_kv_cache(halved, per_worker, block_size=16, kv_dtype="bf16",
                                             max_model_len=2048)
-    metrics = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
-               'enable_prefix_caching="False",kv_cache_memory_bytes="None",'
-               f'kv_cache_size_tokens="{engine.kv_cache_tokens}",'
-               f'kv_cache_max_concurrency="{engine.max_concurrency}",'
-               f'num_gpu_blocks="{engine.num_blocks}"}} 1.0\n')
+    metrics = _cache_config_info(engine)
     record = measure.ModelRecord(Variant("fp8", tmp_path, "id", "float-quantized"))
     tp2 = EngineSettings(max_model_len=2048, tensor_parallel_size=2)
     measure.record_engine(record, _FakeServer(metrics, A100_FP8_LOG),  # type: ignore[arg-type]

@@ -147,18 +147,22 @@ class Workload:
         by_work = (-(-self.min_output_tokens // self.output_len)
                    if self.min_output_tokens and self.output_len else 0)
         # a capacity search counts min_prompts past each run's start-up wave
-        wave = concurrency if self.counts_past_wave else 0
-        return max(self.min_prompts + wave, self.prompts_per_concurrency * concurrency, by_work)
+        return max(self.min_prompts + self.wave(concurrency),
+                   self.prompts_per_concurrency * concurrency, by_work)
 
     @property
     def counts_past_wave(self) -> bool:
         """A closed-loop capacity search: each run's start-up wave is sent, not counted."""
         return self.slo is not None and not self.by_rate
 
+    def wave(self, concurrency: int) -> int:
+        """The requests of a run's start-up wave a search leaves uncounted (its
+        ``concurrency`` users' first, sent at once, :func:`slo.start_wave`); 0 elsewhere."""
+        return concurrency if self.counts_past_wave else 0
+
     def counted(self, concurrency: int) -> int:
-        """Requests per run a search counts: a closed loop's start-up wave (its
-        ``concurrency`` requests sent at once, :func:`slo.start_wave`) is left out."""
-        return self.num_prompts(concurrency) - (0 if self.by_rate else concurrency)
+        """Requests per run a search counts: all but its start-up wave."""
+        return self.num_prompts(concurrency) - self.wave(concurrency)
 
     def pilot_run(self) -> Workload:
         """The workload of a search's short first run: ``search_pilot`` requests counted

@@ -44,6 +44,7 @@ from pipeline.quantize import checkpoint
 from pipeline.quantize import recipes as recipe_files
 from pipeline.report import cost, crossover
 from pipeline.report.recommend import OBJECTIVES, recommend
+from pipeline.serve.settings import EngineSettings
 
 MIXED = "mixed"  # a searched recipe: formats per layer (planned from its measured bytes)
 DEFAULT_PLAN_GPU = "h100-80gb"  # where the planner places variants on a host without a GPU
@@ -100,26 +101,23 @@ def plan_settings(target: PlanTarget, precision: str, group_size: int,
     else:
         preset = get_accelerator(target.gpu)
         memory, block = preset.memory_bytes, preset.block_size
-    block = block_size or block
-    engine = engine or {}
+    served = EngineSettings.from_record(engine or {})
     return capacity.PlanSettings(
         weights=precision, kv_dtype=kv_dtype, context=target.context,
-        max_context=target.max_context, memory_bytes=memory, block_size=block,
-        int4_group_size=group_size,
-        utilization=float(engine.get("gpu_memory_utilization") or 0.9),
-        tensor_parallel=int(engine.get("tensor_parallel_size") or 1),
-        pipeline_parallel=int(engine.get("pipeline_parallel_size") or 1))
+        max_context=target.max_context, memory_bytes=memory, block_size=block_size or block,
+        int4_group_size=group_size, utilization=served.gpu_memory_utilization,
+        tensor_parallel=served.tensor_parallel_size,
+        pipeline_parallel=served.pipeline_parallel_size)
 
 
 def _served_as(engine: Mapping[str, Any]) -> str:
     """How the servers were started, where the plan follows them away from the defaults."""
-    tp = int(engine.get("tensor_parallel_size") or 1)
-    pp = int(engine.get("pipeline_parallel_size") or 1)
-    util = float(engine.get("gpu_memory_utilization") or 0.9)
+    served, default = EngineSettings.from_record(engine), EngineSettings()
+    tp, pp = served.tensor_parallel_size, served.pipeline_parallel_size
     parts = [f"TP {tp} x PP {pp}: weights and KV heads split over {tp * pp} devices"] \
         if tp * pp > 1 else []
-    if util != 0.9:
-        parts.append(f"{util:.0%} of each device's memory")
+    if served.gpu_memory_utilization != default.gpu_memory_utilization:
+        parts.append(f"{served.gpu_memory_utilization:.0%} of each device's memory")
     return f"planned as the servers were started: {', '.join(parts)}" if parts else ""
 
 

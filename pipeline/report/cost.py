@@ -18,6 +18,7 @@ from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, CostTarget, Row
 from pipeline.plan import capacity
 from pipeline.plan.accelerators import detect as detect_accelerator
+from pipeline.serve.settings import EngineSettings
 
 USD_PER_MTOK = "usd_per_million_output_tokens"
 
@@ -28,10 +29,10 @@ def devices_of(summary: BenchSummary) -> dict[str, Any]:
     its unreported memory)."""
     if summary.devices:
         return dict(summary.devices)
-    engine = summary.engine
+    engine = EngineSettings.from_record(summary.engine)
     return hardware.serving_devices(hardware.Profile.from_dict(summary.hardware, summary.target),
-                                    int(engine.get("tensor_parallel_size") or 1),
-                                    int(engine.get("pipeline_parallel_size") or 1), visible="")
+                                    engine.tensor_parallel_size, engine.pipeline_parallel_size,
+                                    visible="")
 
 
 def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ eval's alike), from which the engine's CLI options are derived; every field is r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +45,13 @@ class EngineSettings(BaseModel):
         (), description="any other `vllm serve` flag, passed as is, e.g. "
         "--vllm-arg=--tensor-parallel-size=2", json_schema_extra={
             "flag": "--vllm-arg", "metavar": "FLAG", "make": "VLLM_ARGS"})
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> EngineSettings:
+        """The settings a bench run recorded (its summary's ``engine``, a ``model_dump()``);
+        a field it lacks (an older run) or no longer known takes its default."""
+        return cls.model_validate({k: v for k, v in record.items()
+                                   if k in cls.model_fields and v is not None})
 
     def resolved(self, target: str) -> EngineSettings:
         """These settings with every automatic choice made for ``target`` (cpu | cuda)."""
