@@ -24,10 +24,11 @@ _PASS = re.compile(r"Inferred `\w+` for `(\w+?)(?:Modifier)?`")
 
 
 def slots(base: baselines.Baseline, target: str, wanted: int | None = None) -> int:
-    """How many quantize processes run at once: one per core on a CPU host (each calibrates on
-    one thread), as many as memory holds at ~3x the float32 weights plus 1.5 GB of runtime
-    each; one on a GPU host (one device). ``--quantize-jobs`` (``QUANTIZE_JOBS=``) or
-    ``QPIPE_QUANTIZE_JOBS`` overrides."""
+    """How many quantize processes run at once: on a CPU host as many as memory holds at ~3x
+    the float32 weights plus 1.5 GB of runtime each, whatever the core count (each calibrates
+    on one thread; the OS shares the cores, so none idles while one long GPTQ recipe is left
+    on its own, as with one per core); one on a GPU host (one device).
+    ``--quantize-jobs`` (``QUANTIZE_JOBS=``) or ``QPIPE_QUANTIZE_JOBS`` overrides."""
     if wanted:
         return max(1, wanted)
     if os.environ.get("QPIPE_QUANTIZE_JOBS"):
@@ -35,8 +36,7 @@ def slots(base: baselines.Baseline, target: str, wanted: int | None = None) -> i
     if target != "cpu":
         return 1
     fp32 = 2 * checkpoint.measure(base.path).weight_bytes
-    fits = int(psutil.virtual_memory().available // (3 * fp32 + 1.5 * 2**30))
-    return max(1, min(os.cpu_count() or 1, fits))
+    return max(1, int(psutil.virtual_memory().available // (3 * fp32 + 1.5 * 2**30)))
 
 
 def progress(job: jobs.Job) -> str:
