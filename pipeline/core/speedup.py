@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from scipy import stats
 
@@ -102,6 +103,12 @@ def verdict_of(low: float | None, high: float | None) -> str:
     return INCONCLUSIVE
 
 
+@lru_cache(maxsize=512)
+def _t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (cached: the calibration draws ask the same few thousands of times)."""
+    return float(stats.t.ppf(q, df))
+
+
 def _look(logs: Sequence[float], alpha: float) -> tuple[float, float, float]:
     """(low, high, one-sided p of "faster") of the mean log ratio at one-sided ``alpha``."""
     n = len(logs)
@@ -110,7 +117,7 @@ def _look(logs: Sequence[float], alpha: float) -> tuple[float, float, float]:
     se = sd / math.sqrt(n)
     if se == 0:  # identical ratios: as sure as it gets
         return mean, mean, 0.0 if mean > 0 else 1.0
-    half = float(stats.t.ppf(1 - alpha, n - 1)) * se
+    half = _t_quantile(1 - alpha, n - 1) * se
     return mean - half, mean + half, float(stats.t.sf(mean / se, n - 1))
 
 
