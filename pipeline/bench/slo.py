@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from scipy import stats
 
-from pipeline.core.shares import share_bounds
+from pipeline.core.shares import share_bounds, t_quantile
 
 ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
 MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
@@ -233,7 +232,7 @@ class Point:
         # the spread of the runs' shares about the pooled one (a ratio estimator's
         # cluster-robust variance)
         spread = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / total ** 2
-        margin = float(stats.t.ppf(1 - level, k - 1)) * math.sqrt(spread * k / (k - 1))
+        margin = t_quantile(1 - level, k - 1) * math.sqrt(spread * k / (k - 1))
         return max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
 
     def look(self, target: float, alpha: float) -> str | None:
