@@ -16,7 +16,9 @@ from pipeline.serve.server import (
     ServeError,
     UnsupportedFormat,
     VllmServer,
+    ephemeral_range,
     failure_reason,
+    free_port,
 )
 
 # A stand-in server: GET answers 200 (/health, /metrics); POST calls the scenario's handler.
@@ -82,6 +84,19 @@ FAKE_VLLM = {
         serve(lambda request: die())
         time.sleep(600)
     """,
+    # The first start finds its port taken (vLLM's API server then stays up, unbound); the
+    # second serves.
+    "port_taken": HTTP_FAKE + """
+        marker = os.path.join(os.path.dirname(sys.argv[0]), "started-once")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            print("OSError: [Errno 98] Address already in use (while attempting to bind on "
+                  f"address ('127.0.0.1', {port}))")
+            sys.stdout.flush()
+            time.sleep(600)
+        serve(answer(200, COMPLETION))
+        time.sleep(600)
+    """,
     # Answers /health but every completion with HTTP 500, and stays up.
     "answers_500": HTTP_FAKE + """
         serve(answer(500, b'{"error": "internal"}'))
@@ -139,6 +154,22 @@ def test_engine_that_fails_to_start_is_a_serve_error(tmp_path: Path, fake_vllm) 
     assert not isinstance(err.value, UnsupportedFormat)
     assert "out of memory allocating KV cache" in str(err.value) and "exit 3" in str(err.value)
     _no_children_left()
+
+
+def test_a_port_taken_before_vllm_binds_it_is_left_for_another_once(
+        tmp_path: Path, fake_vllm) -> None:
+    fake_vllm("port_taken")
+    server = _server(tmp_path, timeout=30)
+    with server:  # the first process never binds: healthy only once started again
+        assert server.healthy()
+    assert "Address already in use" not in server.log_text()  # the log is the second start's
+    assert (tmp_path / "bin-port_taken" / "started-once").exists()
+    _no_children_left()
+
+
+def test_free_ports_lie_below_the_range_other_processes_bind_at_random() -> None:
+    low, _ = ephemeral_range()
+    assert all(port < low for port in {free_port() for _ in range(20)})
 
 
 def test_health_timeout_stops_the_server(tmp_path: Path, fake_vllm) -> None:

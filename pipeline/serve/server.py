@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,7 +41,32 @@ START_UP = "start-up (loading the model, before /health answered)"
 WARM_UP = "the warm-up request (after /health answered)"
 
 
+PORT_TAKEN = "Address already in use"
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ``bind(0)`` (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: vLLM picks its engine's internal ports
+    with ``bind(0)``, so a port from that range, free when chosen, can be taken by another
+    server's engine before this one binds it (seen with three servers starting at once)."""
+    low, _ = ephemeral_range()
+    choose = random.Random()
+    for _ in range(100):
+        port = choose.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -156,11 +182,18 @@ class VllmServer:
     def _wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
+        relaunched = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._fail(START_UP)
             if self.healthy():
                 return
+            if not relaunched and self._port_taken():
+                # taken between its choice and vLLM's bind, its API server stays up without
+                # it: start again on another port, once
+                procs.stop(self.proc, 30)
+                self.launch()
+                relaunched = True
             time.sleep(1)
         raise ServeError(f"vLLM did not become healthy within {self.startup_timeout:.0f} s "
                          f"serving {self.served_name} ({self.model_dir}); it was stopped. To do: "
@@ -191,6 +224,11 @@ class VllmServer:
         if unsupported or self.proc.poll() is not None:
             raise self._fail(WARM_UP)
         raise self.lost(WARM_UP, problem)
+
+    def _port_taken(self) -> bool:
+        """Whether vLLM's API server could not bind its port (its process stays up)."""
+        text = self.log_text()
+        return PORT_TAKEN in text and f"'127.0.0.1', {self.port})" in text
 
     def healthy(self) -> bool:
         try:
