@@ -21,7 +21,8 @@ and a plan's ``kill_on_log`` kills the server when a line of its log matches (a 
 phase), ``exit_at_start`` makes it exit before it listens. When the server process ends, the
 stand-in ``vllm`` ends the same way (the same exit code or signal), as the real one would.
 Every fault applied is written to the plan's ``events`` file. Only the standard library is
-used: this file runs under the serving environment's Python and the pipeline's.
+used, and qpipe's own free port for the upstream server: this file runs under the serving
+environment's Python and the pipeline's (both import ``pipeline.serve.server``).
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def _record(plan: dict[str, Any], **event: Any) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """qpipe's own choice (below the ephemeral range, where vLLM's engines bind at random)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pipeline.serve.server import free_port
+    return free_port()
 
 
 def _option(argv: list[str], name: str, default: str = "") -> str:

@@ -152,8 +152,9 @@ class VllmServer:
         self.log_path.write_bytes(b"")
         self.proc = procs.start(self.command(), log=self.log_path, env=self.environment(),
                                 die_with_parent=True)
-        self._sampler = threading.Thread(target=self._sample_memory, daemon=True)
-        self._sampler.start()
+        if self._sampler is None or not self._sampler.is_alive():  # a relaunch keeps its own
+            self._sampler = threading.Thread(target=self._sample_memory, daemon=True)
+            self._sampler.start()
 
     def wait_ready(self) -> None:
         """Up means answered: ``/health``, then a warm-up request."""
