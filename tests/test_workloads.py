@@ -223,3 +223,35 @@ def test_warm_up_before_a_load_points_first_run_only_and_never_before_a_search()
     assert search.num_prompts(8) - search.counted(8) == 8
     rate = workloads.load("capacity-rate")  # an open loop counts every request: warmed
     assert "--num-warmups" in rate.client_args(2, 0)
+
+
+def test_only_the_headline_load_point_repeats_while_a_speedup_is_undecided(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The decision is made at the headline: it is repeated up to the cap while a variant is
+    undecided there; the other load points get their curve_repeats (one run a model)."""
+    from pipeline.bench import measure
+    from pipeline.core.variant import BASELINE, Variant
+
+    chat = workloads.load("chat")
+    other = next(c for c in chat.load_points if c != chat.headline)
+    assert chat.looks("cpu", other).last < chat.looks("cpu").last
+    assert chat.repeats_at(other) == chat.curve_repeats < chat.repeats  # a run: the curve
+    rates = {BASELINE: 100.0, "same": 100.0}  # identical speeds with noise: never decided
+    noise = iter([1.0, 1.3, 0.8, 1.2, 0.9] * 40)
+
+    def fake_load_point(client, server, record, step, out):  # the load point's figures
+        result = {"output_throughput": rates[record.variant.name] * next(noise)}
+        record.runs.setdefault(step.key, {}).setdefault(step.concurrency, []).append(result)
+        return result
+
+    monkeypatch.setattr(measure, "_load_point", fake_load_point)
+    records = {name: measure.ModelRecord(Variant(name, tmp_path, name)) for name in rates}
+    live = {name: object() for name in rates}
+    steps = measure.steps_for([chat], caching=False)
+    for step in steps:
+        measure._run_step(None, live, records, step, tmp_path, None, "", list(live))
+    measure._repeat_undecided(None, live, records, steps, tmp_path, None)
+    runs = records["same"].runs[chat.name]
+    assert len(runs[other]) == chat.curve_repeats  # described, not repeated
+    assert len(runs[chat.headline]) == chat.max_repeats  # undecided: up to the cap
+    assert len(records[BASELINE].runs[chat.name][chat.headline]) == chat.max_repeats

@@ -61,7 +61,7 @@ class ModelRecord:
     prefix_counters: dict[str, list[float]] = field(default_factory=dict)
     # workload -> the capacity search's result (workloads with an slo)
     searches: dict[str, dict[str, Any]] = field(default_factory=dict)
-    serve_command: str = ""  # to reproduce by hand (README)
+    serve_command: str = ""  # to reproduce by hand (docs/bench.md)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ def steps_for(loads: list[Workload], caching: bool) -> list[Step]:
         if caching and not w.compare_prefix_caching:
             continue
         key = f"{w.name}_nocache" if w.compare_prefix_caching and not caching else w.name
-        out += [Step(w, key, r, c, caching) for r in range(w.repeats) for c in w.load_points]
+        out += [Step(w, key, r, c, caching) for r in range(w.repeats) for c in w.load_points
+                if r < w.repeats_at(c)]
     return out
 
 
@@ -314,16 +315,17 @@ def speed_ratios(runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) ->
 def _repeat_undecided(client: BenchClient, live: dict[str, VllmServer],
                       records: dict[str, ModelRecord], steps: list[Step], out: Path,
                       pool: ServerPool | None) -> None:
-    """Past the fixed repeats, each speed sweep's load point is repeated for the baseline and
-    the variants whose speedup there is still undecided (or faster, but not yet after Holm's
-    correction over the variants), up to the workload's cap (the sequential rule of
-    :mod:`pipeline.core.speedup`: stopping when decided keeps its error rate)."""
+    """Past the fixed repeats, each speed sweep's headline load point is repeated for the
+    baseline and the variants whose speedup there is still undecided (or faster, but not yet
+    after Holm's correction over the variants), up to the workload's cap (the sequential rule
+    of :mod:`pipeline.core.speedup`: stopping when decided keeps its error rate)."""
     points: dict[tuple[str, int], Step] = {}
     for step in steps:
-        if step.workload.slo is None and not step.caching:
+        if step.workload.slo is None and not step.caching and \
+                step.concurrency == step.workload.headline:
             points[(step.key, step.concurrency)] = step
     for (key, concurrency), last in points.items():
-        looks = last.workload.looks("cpu")
+        looks = last.workload.looks("cpu", concurrency)
         cap = max(last.workload.repeats, last.workload.max_repeats)
         repeat = last.repeat + 1
         while repeat < cap and BASELINE in live:

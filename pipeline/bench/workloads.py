@@ -94,12 +94,27 @@ class Workload:
     # a speed sweep's cap: its points are repeated past ``repeats`` while a variant's speedup
     # is undecided (interleaved on a CPU host; 0: exactly ``repeats``)
     max_repeats: int = 0
+    # the load points other than the headline: this many repeats (0: ``repeats``); they
+    # describe the curve, the decision is the headline's
+    curve_repeats: int = 0
 
-    def looks(self, target: str) -> Looks:
-        """When each speedup of this workload is looked at: sequentially up to max_repeats
-        where the models are interleaved (CPU), at ``repeats`` alone where they run in turn."""
+    def looks(self, target: str, concurrency: int | None = None) -> Looks:
+        """When a speedup of this workload is looked at: at the headline load point (the one
+        the decision is made at; ``None``: that one) sequentially up to max_repeats where the
+        models are interleaved (CPU), else at ``repeats`` alone. The other load points describe
+        the curve: repeating them would cost as much again for no decision."""
+        if concurrency not in (None, self.headline):
+            n = self.repeats_at(concurrency)
+            return Looks.of(n, n)
         last = max(self.repeats, self.max_repeats) if target == "cpu" else self.repeats
         return Looks.of(self.repeats, last)
+
+    def repeats_at(self, concurrency: int) -> int:
+        """The first look's repeats at a load point: ``repeats`` at the headline, else
+        ``curve_repeats`` where set (at most ``repeats``)."""
+        if concurrency == self.headline or not self.curve_repeats:
+            return self.repeats
+        return min(self.curve_repeats, self.repeats)
 
     def runs_on(self, model_name: str) -> bool:
         return self.models == "all" or model_name == "baseline"
@@ -256,7 +271,7 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
           "search_ceiling": (int, str), "search_precision": (int, float), "search_pilot": int,
           "prompts": str, "trace": str, "trace_sec_multiplier": (int, float),
-          "trace_chunk_size": int, "max_repeats": int, "search_by": str,
+          "trace_chunk_size": int, "max_repeats": int, "curve_repeats": int, "search_by": str,
           "rate_start": (int, float, str), "rate_ceiling": (int, float),
           "rate_step": (int, float), "burstiness": (int, float), "run_seconds": (int, float)}
 # the smallest value of each numeric field (and the largest, where there is one)
@@ -267,7 +282,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
     "search_ceiling": (1, None), "search_precision": (0, 0.999), "search_pilot": (0, None),
     "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
-    "max_repeats": (0, None), "rate_start": (0.001, None), "rate_ceiling": (0.001, None),
+    "max_repeats": (0, None), "curve_repeats": (0, None), "rate_start": (0.001, None),
+    "rate_ceiling": (0.001, None),
     "rate_step": (0.01, 1), "burstiness": (0.01, None), "run_seconds": (1, None)}
 REQUIRED = {"random": ("input_len", "output_len"),
             "prefix_repetition": ("prefix_len", "suffix_len", "output_len"), "custom": (),
