@@ -34,6 +34,7 @@ scores of the same items in the same order (1/0 for accuracy, any number for oth
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -104,17 +105,13 @@ def flip_counts(baseline: Sequence[float], variant: Sequence[float]) -> tuple[in
 
 
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
-    """Wilson score interval of a proportion (sound at 0 and n successes, unlike p +- z.se):
-    ``scipy.stats.binomtest(...).proportion_ci(method="wilson")``, at any z."""
+    """Wilson score interval of a proportion at two-sided ``z`` (sound at 0 and n successes,
+    unlike p +- z.se): scipy's ``binomtest(...).proportion_ci(method="wilson")``."""
     if n <= 0:
         return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    low = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact ends, not rounding noise
-    high = 1.0 if successes >= n else min(1.0, centre + half)
-    return low, high
+    ci = stats.binomtest(round(successes), n).proportion_ci(
+        confidence_level=2 * stats.norm.cdf(z) - 1, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def loss_bound(lost: int, right: int, alpha: float = ALPHA_SIDE) -> float:
@@ -224,15 +221,23 @@ def above_chance_pct(baseline_score: float, variant_score: float, chance: float)
     return (variant_score - chance) / (baseline_score - chance) * 100
 
 
-def bootstrap_ratios(baseline: Sequence[float], variant: Sequence[float],
-                     iters: int = BOOTSTRAP_ITERS, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
-    """Recovery (%) of ``iters`` paired resamples; NaN where a resample's baseline sums to 0."""
-    b, v = _arrays(baseline, variant)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, b.size, size=(iters, b.size))
-    bs, vs = b[idx].sum(axis=1), v[idx].sum(axis=1)
+def _ratio_pct(baseline: np.ndarray, variant: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Recovery (%) of each resample along ``axis``; NaN where its baseline sums to 0."""
+    bs, vs = baseline.sum(axis=axis), variant.sum(axis=axis)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(bs != 0, vs / bs * 100, np.nan)
+
+
+def bootstrap_ratios(baseline: Sequence[float], variant: Sequence[float],
+                     iters: int = BOOTSTRAP_ITERS, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """Recovery (%) of ``iters`` paired resamples (scipy's ``bootstrap(paired=True)``); NaN
+    where a resample's baseline sums to 0 (:func:`interval` drops those)."""
+    b, v = _arrays(baseline, variant)
+    with warnings.catch_warnings():  # its own interval is not used: NaNs are dropped below
+        warnings.simplefilter("ignore")
+        found = stats.bootstrap((b, v), _ratio_pct, paired=True, vectorized=True,
+                                n_resamples=iters, method="percentile", rng=seed)
+    return found.bootstrap_distribution
 
 
 def interval(samples: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float] | None:
