@@ -64,13 +64,14 @@ SCAN_TOKENS   ?=
 BUDGET        ?=
 MAX_DAMAGE    ?=
 NAME          ?=
-# planner (MAX_CONTEXT empty: the model's maximum)
-MODEL         ?= gpt-oss-120b
-GPU           ?= h100-80gb
-CONTEXT       ?= 8192
+# planner (empty: qpipe plan's defaults, `qpipe plan --help`: the embedded model's config on an
+# h100-80gb at 8,192 tokens, bf16 weights and KV cache; MAX_CONTEXT: the model's maximum)
+MODEL         ?=
+GPU           ?=
+CONTEXT       ?=
 MAX_CONTEXT   ?=
-WEIGHTS       ?= mxfp4
-KV_DTYPE      ?= bf16
+WEIGHTS       ?=
+KV_DTYPE      ?=
 MEMORY_GB     ?=
 KV_BUDGET_GB  ?=
 PREFIX        ?=
@@ -100,7 +101,6 @@ ifneq ($(shell cat $(SERVE_VENV)/.qpipe-serve-target 2>/dev/null),$(SERVE_KIND))
 .PHONY: $(SERVE_STAMP)
 endif
 
-opt = $(if $(2),$(1) $(2))
 # the vLLM engine, the same for every server bench and eval start
 ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
   $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP)) \
@@ -208,8 +208,9 @@ suites: $(PIPELINE_STAMP) ## list the task suites in evals/ and validate them
 	@$(QPIPE) suites
 
 plan: $(PIPELINE_STAMP) ## capacity plan: MODEL GPU CONTEXT MAX_CONTEXT WEIGHTS KV_DTYPE [JSON=1 PLOT=f.png]
-	@$(QPIPE) plan --model $(MODEL) --gpu $(GPU) --context $(CONTEXT) --weights $(WEIGHTS) \
-	  --kv-dtype $(KV_DTYPE) $(call opt,--max-context,$(MAX_CONTEXT)) \
+	@$(QPIPE) plan $(call opt,--model,$(MODEL)) $(call opt,--gpu,$(GPU)) \
+	  $(call opt,--context,$(CONTEXT)) $(call opt,--weights,$(WEIGHTS)) \
+	  $(call opt,--kv-dtype,$(KV_DTYPE)) $(call opt,--max-context,$(MAX_CONTEXT)) \
 	  $(call opt,--memory-gb,$(MEMORY_GB)) $(call opt,--kv-budget-gb,$(KV_BUDGET_GB)) \
 	  $(call opt,--prefix,$(PREFIX)) $(call opt,--plot,$(PLOT)) $(if $(JSON),--json) \
 	  $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP))

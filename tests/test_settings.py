@@ -12,9 +12,9 @@ import annotated_types
 import pytest
 from pydantic import BaseModel
 
-from pipeline.cli import COMMANDS, _load
 from pipeline.core.artifacts import CostTarget, PlanTarget
 from pipeline.core.campaigns import CampaignFile
+from pipeline.registry import STAGES
 from tests.conftest import run_cli
 
 
@@ -43,7 +43,7 @@ def _bounded(field: Any) -> bool:
 
 def _models() -> set[type[BaseModel]]:
     seen: set[type[BaseModel]] = set()
-    todo = [_load(ref) for ref, _, _ in COMMANDS.values()] + [CampaignFile, PlanTarget,
+    todo = [stage.settings_type() for stage in STAGES] + [CampaignFile, PlanTarget,
                                                                CostTarget]
     while todo:
         model = todo.pop()
@@ -83,3 +83,4 @@ def test_a_bad_number_is_refused_before_any_work_naming_the_variable(
     assert result.returncode == 2, result.stderr[-2000:]
     assert said in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "starting vLLM" not in result.stderr
+

@@ -13,6 +13,7 @@ import argparse
 import difflib
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
@@ -76,17 +77,24 @@ def _shown(kinds: list[Any]) -> str:
                      else getattr(k, "__name__", str(k)) for k in kinds)
 
 
-def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
-                exclude: tuple[str, ...] = ()) -> None:
-    """One option per field of ``model`` (nested settings models flattened)."""
+def flat_fields(model: type[BaseModel], exclude: tuple[str, ...] = ()
+                ) -> Iterator[tuple[str, Any]]:
+    """(name, field) of every option ``model`` offers: nested settings models flattened."""
     for name, field in model.model_fields.items():
         if name in exclude:
             continue
+        if _extra(field).get("nested"):
+            yield from flat_fields(_bare(field.annotation)[0], exclude)
+        else:
+            yield name, field
+
+
+def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
+                exclude: tuple[str, ...] = ()) -> None:
+    """One option per field of ``model`` (nested settings models flattened)."""
+    for name, field in flat_fields(model, exclude):
         extra = _extra(field)
         inner, _ = _bare(field.annotation)
-        if extra.get("nested"):
-            add_options(parser, inner, exclude)
-            continue
         flag = _flag(name, field)
         help_text = (field.description or "").replace("%", "%%")
         if extra.get("positional"):

@@ -14,13 +14,15 @@ from pipeline.plan.capacity import KV_DTYPE_BYTES, PlanSettings
 
 _D = PlanSettings()
 DEFAULT_RESERVE_GB = _D.reserve_bytes / 1e9  # activations, CUDA graphs, NCCL/cuBLAS workspaces
+EMBEDDED_MODEL = "smollm2-135m"  # configs/models/: the embedded baseline's config
 DEFAULT_PREFIX = 1024  # a system prompt plus tool definitions; at most half the context
 Precision = Literal["bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4"]
 
 
 class PlanRequest(StageSettings):
-    model: str = Field(..., description="a directory or config.json, a name under configs/models/ "
-                       "(gpt-oss-120b, llama-3.1-70b, smollm2-135m) or a hub id",
+    model: str = Field(EMBEDDED_MODEL, description="a directory or config.json, a name under "
+                       "configs/models/ (gpt-oss-120b, llama-3.1-70b, smollm2-135m: the embedded "
+                       "baseline's, the default) or a hub id",
                        json_schema_extra={"make": "MODEL"})
     context: int = Field(_D.context, ge=1, description="tokens a typical request holds",
                          json_schema_extra={"make": "CONTEXT"})

@@ -1,0 +1,78 @@
+"""The registry is the one list of stages: each entry has a CLI command, a Makefile target that
+runs it, settings whose defaults the Makefile does not contradict, and the artifact it says."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from pipeline import registry
+from pipeline.cli import build_parser
+from pipeline.core.settings import StageSettings, flat_fields
+
+MAKEFILE = (Path(__file__).parents[1] / "Makefile").read_text()
+
+
+def _target_recipe(target: str) -> str:
+    """The commands of a Makefile target (its tab-indented lines)."""
+    found = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", MAKEFILE, re.M)
+    assert found, f"the Makefile has no target {target!r}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("stage", registry.STAGES, ids=lambda s: s.name)
+def test_every_stage_has_a_command_a_target_and_its_types(
+        stage: registry.Stage, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = stage.settings_type()
+    assert issubclass(settings, StageSettings)
+    assert callable(registry.load(stage.entry))
+    if stage.artifact:
+        assert isinstance(registry.load(stage.artifact), type)
+    assert re.search(rf"\$\(QPIPE\) {re.escape(stage.name)}\b", _target_recipe(stage.make_target))
+    with pytest.raises(SystemExit) as done:
+        build_parser(stage.name).parse_args([stage.name, "--help"])
+    assert done.value.code == 0 and f"usage: qpipe {stage.name}" in capsys.readouterr().out
+
+
+def test_make_all_runs_the_stages_of_the_data_flow_in_order() -> None:
+    assert [s.name for s in registry.campaign_steps()] == ["quantize", "bench", "eval", "compare"]
+    assert len(registry.BY_NAME) == len(registry.STAGES)  # one entry per name
+
+
+def _bound_fields(model: type[BaseModel]) -> typing.Iterator[tuple[str, Any]]:
+    """(Makefile variable, field) of every option of ``model`` bound to one."""
+    for _, field in flat_fields(model):
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if isinstance(extra.get("make"), str) and extra["make"].isidentifier():
+            yield extra["make"], field
+
+
+def _default_text(value: Any) -> str:
+    """A default as a Makefile variable would spell it (a tuple: its items, space-separated)."""
+    if isinstance(value, tuple | list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def test_a_default_lives_in_one_place_the_makefile_passes_only_what_is_set() -> None:
+    """Each Makefile variable bound to a stage's settings field defaults to empty (the
+    command's own default then applies) or to exactly that default: `make plan` and `qpipe
+    plan` plan the same thing."""
+    defaults = dict(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*\?=[ \t]*(.*)$", MAKEFILE, re.M))
+    checked, drifted = 0, []
+    for stage in registry.STAGES:
+        for variable, field in _bound_fields(stage.settings_type()):
+            value = defaults.get(variable, "").strip()
+            if variable not in defaults or value.startswith("$("):
+                continue  # not a Makefile default, or one derived from another variable
+            checked += 1
+            if value and value != _default_text(field.default):
+                drifted.append(f"{stage.name}: {variable} ?= {value}, the setting's default "
+                               f"{field.default!r}")
+    assert checked >= 30
+    assert not drifted, drifted
