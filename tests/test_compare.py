@@ -153,7 +153,7 @@ def test_cost_objective_takes_the_cheapest_variant_shown_cheaper_than_the_baseli
     best, reason = recommend([base, close], "cost")
     assert best is None and "fp8: passes its gate but is not shown cheaper than the baseline: " \
         "its cost range $2.22 [1.85-2.47] overlaps the baseline's $2.50 [2.08-2.78]" in reason
-    # the README's figures: the only passing variant costs twice the baseline
+    # figures of a measured run: the only passing variant costs twice the baseline
     dear = _searched(_row("int4", 0.8, gate.PASS), 20.0)
     best, reason = recommend([base, dear], "cost")
     assert best is None and "int4: passes its gate but is not cheaper than the baseline: " \

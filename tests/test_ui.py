@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pipeline.core import paths
-from pipeline.core.ui import port_is_free
+from pipeline.report.ui import port_is_free
 
 pytestmark = pytest.mark.slow
 

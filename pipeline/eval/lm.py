@@ -90,7 +90,7 @@ class TaskResult:
         return cls(**data, cached=True) if data else None
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in ("lm-eval", "lm_eval", "datasets", "transformers", "httpx", "urllib3"):
@@ -258,7 +258,7 @@ def free_accelerator_memory() -> None:
 
 
 @contextlib.contextmanager
-def _lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
+def open_lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
         pool: ServerPool | None = None) -> Iterator[tuple[Any, str | None, VllmServer | None]]:
     """(model or its name, model_args, the server) for simple_evaluate; serves the model when
     SERVED (through the pool's server when it holds one started with the same settings)."""

@@ -21,10 +21,10 @@ from pipeline.eval.lm import (
     SERVED,
     EvalError,
     TaskResult,
-    _lm,
-    _quiet_libraries,
     engine_for,
+    open_lm,
     primary_key,
+    quiet_libraries,
     run_task,
     served_failure,
 )
@@ -67,7 +67,7 @@ def score(base_name: str, model: Variant, tasks: list[suites.Task], backend: str
           settings: EvalSettings, force: bool = False, pool: ServerPool | None = None
           ) -> dict[str, TaskResult]:
     """Every task on one model through one backend; cached results are reused."""
-    _quiet_libraries()
+    quiet_libraries()
     results: dict[str, TaskResult] = {}
     todo = []
     for task in tasks:
@@ -83,7 +83,7 @@ def score(base_name: str, model: Variant, tasks: list[suites.Task], backend: str
         return results
     if results:
         log.info(f"{tag}: {len(results)} task(s) cached, {len(todo)} to score")
-    with _lm(model, backend, settings, cache_root(base_name) / "logs", pool) as (
+    with open_lm(model, backend, settings, cache_root(base_name) / "logs", pool) as (
             lm, model_args, server):
         for number, task in enumerate(todo, start=1):
             limit = settings.for_task(task)["limit"]

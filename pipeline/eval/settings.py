@@ -25,9 +25,10 @@ class EvalSettings(StageSettings):
 
     baseline: str = baseline_field()
     recipes: tuple[str, ...] = recipes_field("score (`none`: the baseline only)")
-    suites: tuple[str, ...] = Field((), description="a suite folder under evals/ (default: every "
-                                    "suite)", json_schema_extra={"flag": "--suite",
-                                                                 "make": "SUITE"})
+    suites: tuple[str, ...] = Field(
+        ("app",), description="a suite folder under evals/ (default: app, as make all scores; "
+        "the standard suite is at chance for the embedded 135M model: SUITE=\"app standard\")",
+        json_schema_extra={"flag": "--suite", "make": "SUITE"})
     tasks: tuple[str, ...] = Field((), description="a task by name; names not in evals/ go to "
                                    "lm-eval's built-in tasks (they need their dataset hub)",
                                    json_schema_extra={"flag": "--task"})

@@ -78,7 +78,7 @@ class TaskFileError(ConfigError):
         self.problem = problem
 
 
-class _FunctionRef(str):
+class FunctionRef(str):
     """``!function utils.fn`` kept as text (validation does not import task code)."""
 
 
@@ -87,7 +87,7 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_constructor(
-    "!function", lambda loader, node: _FunctionRef(loader.construct_scalar(node)))
+    "!function", lambda loader, node: FunctionRef(loader.construct_scalar(node)))
 
 
 def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
@@ -182,7 +182,7 @@ def data_root() -> Path:
     return paths.PROJECT_ROOT
 
 
-def _data_files(config: dict[str, Any]) -> dict[str, list[Path]]:
+def data_files(config: dict[str, Any]) -> dict[str, list[Path]]:
     spec = (config.get("dataset_kwargs") or {}).get("data_files")
     if spec is None:
         return {}
@@ -216,7 +216,7 @@ def load_task(path: Path, suite: str | None = None) -> Task:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{relative(path)}: no `task:` name. Fix: add `task: my_task` (letters, "
                           "digits and _), unique under evals/.")
-    files = _data_files(tf.config)
+    files = data_files(tf.config)
     digest = hashlib.sha256()
     for src in tf.sources:
         digest.update(src.read_bytes())

@@ -22,14 +22,14 @@ from pipeline.eval.suites import (
     LOCAL_BUILDERS,
     MAX_REPORTED,
     SPLIT_KEYS,
+    FunctionRef,
     Problem,
     Task,
     TaskFile,
     TaskFileError,
-    _data_files,
-    _FunctionRef,
     all_task_names,
     chdir,
+    data_files,
     data_root,
     discover,
     load_task,
@@ -124,7 +124,7 @@ def _check_rows(tf: TaskFile, split: str, file: Path, rows: list[tuple[int, dict
     for number, doc in rows:
         rendered: dict[str, Any] = {}
         for kind, spec in specs.items():
-            if spec is None or isinstance(spec, _FunctionRef):
+            if spec is None or isinstance(spec, FunctionRef):
                 continue
             try:
                 rendered[kind] = _render(spec, doc, kind)
@@ -216,7 +216,7 @@ def validate_file(path: Path, siblings: dict[str, Path] | None = None) -> list[P
 
 def _check_data(tf: TaskFile) -> list[Problem]:
     problems: list[Problem] = []
-    files = _data_files(tf.config)
+    files = data_files(tf.config)
     if not files:
         file, line = tf.where("dataset_kwargs")
         return [Problem(file, line, "no data files (`dataset_kwargs.data_files`).",

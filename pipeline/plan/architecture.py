@@ -25,11 +25,11 @@ _MISSING = object()
 KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _unknown(what: str, value: str, choices: Sequence[str]) -> PlanError:
+def unknown_choice(what: str, value: str, choices: Sequence[str]) -> PlanError:
     return PlanError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}.")
 
 
@@ -325,14 +325,15 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
     )
 
 
-def _architecture(config: Mapping[str, Any] | Architecture) -> Architecture:
+def as_architecture(config: Mapping[str, Any] | Architecture) -> Architecture:
+    """A parsed architecture as it is, a config.json mapping parsed."""
     return config if isinstance(config, Architecture) else parse_architecture(config)
 
 
 # --- KV cache ----------------------------------------------------------------------------------
 def kv_dtype_bytes(kv_dtype: str) -> int:
     if kv_dtype not in KV_DTYPE_BYTES:
-        raise _unknown("KV dtype", kv_dtype, tuple(KV_DTYPE_BYTES))
+        raise unknown_choice("KV dtype", kv_dtype, tuple(KV_DTYPE_BYTES))
     return KV_DTYPE_BYTES[kv_dtype]
 
 

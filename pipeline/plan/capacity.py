@@ -18,11 +18,11 @@ from pipeline.plan.architecture import (
     KVLayer,
     Matrix,
     ModuleKind,
-    _architecture,
-    _cdiv,
-    _unknown,
+    as_architecture,
+    cdiv,
     kv_dtype_bytes,
     parse_architecture,
+    unknown_choice,
 )
 from pipeline.plan.vllm_kv import VllmKVPrediction, predict_vllm_kv_cache
 
@@ -95,9 +95,9 @@ class WeightFormat:
     tensor_scale_bytes: int = 0  # per matrix (nvfp4's global fp32 scale)
 
     def matrix_bytes(self, m: Matrix) -> int:
-        values = _cdiv(m.rows * m.cols * self.value_bits, 8)
-        groups = m.rows * (_cdiv(m.cols, self.group_size) if self.group_size else 1)
-        scales = groups * self.scale_bytes + _cdiv(groups * self.zero_point_bits, 8)
+        values = cdiv(m.rows * m.cols * self.value_bits, 8)
+        groups = m.rows * (cdiv(m.cols, self.group_size) if self.group_size else 1)
+        scales = groups * self.scale_bytes + cdiv(groups * self.zero_point_bits, 8)
         return m.count * (values + scales + self.tensor_scale_bytes)
 
 
@@ -133,7 +133,7 @@ def quantized_module_kinds(arch: Architecture, scope: str) -> tuple[str, ...]:
     ships them), ``linear`` (every linear layer but the router and lm_head) or ``auto`` (experts
     for a mixture-of-experts model, else linear)."""
     if scope not in QUANTIZE_SCOPES:
-        raise _unknown("quantize scope", scope, QUANTIZE_SCOPES)
+        raise unknown_choice("quantize scope", scope, QUANTIZE_SCOPES)
     if scope == "auto":
         scope = "experts" if arch.num_experts else "linear"
     if scope == "experts" and not arch.num_experts:
@@ -151,7 +151,7 @@ def estimate_weights(arch: Architecture, precision: str, scope: str = "auto",
     """Bytes of every module kind when ``scope``'s modules are stored in ``precision``."""
     formats = formats or weight_formats()
     if precision not in formats:
-        raise _unknown("weight precision", precision, tuple(formats))
+        raise unknown_choice("weight precision", precision, tuple(formats))
     fmt, bf16 = formats[precision], formats["bf16"]
     quantized = () if precision == "bf16" else quantized_module_kinds(arch, scope)
     by_module = {}
@@ -184,7 +184,7 @@ def kv_bytes_per_request(arch: Architecture, context: int, kv_dtype: str, block_
     total = 0
     for layer in arch.kv_layers:
         held = layer.tokens_held(context)
-        blocks = _cdiv(held, block_size)
+        blocks = cdiv(held, block_size)
         if held == context:
             blocks -= min(shared_prefix, context) // block_size
         total += blocks * block_size * layer.bytes_per_token(kv_dtype)
@@ -263,7 +263,7 @@ class PlanSettings:
 
     def per_device(self, weight_bytes: int) -> int:
         """Each device's share of ``weight_bytes`` (rounded up)."""
-        return _cdiv(weight_bytes, self.devices)
+        return cdiv(weight_bytes, self.devices)
 
 
 @dataclass(frozen=True)
@@ -328,13 +328,13 @@ def _check_settings(s: PlanSettings) -> None:
 
 def plan_capacity(config: Mapping[str, Any] | Architecture, settings: PlanSettings) -> CapacityPlan:
     """Weights in every precision, KV per token and request, the budget and the concurrency."""
-    arch = _architecture(config)
+    arch = as_architecture(config)
     s = settings
     _check_settings(s)
     kv_dtype_bytes(s.kv_dtype)
     formats = weight_formats(s.int4_group_size, s.int4_asymmetric)
     if s.weights not in formats:
-        raise _unknown("weight precision", s.weights, tuple(formats))
+        raise unknown_choice("weight precision", s.weights, tuple(formats))
     weights = {p: estimate_weights(arch, p, s.quantize, formats) for p in formats}
     if s.kv_budget_bytes is not None:
         budget = s.kv_budget_bytes

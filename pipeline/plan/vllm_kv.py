@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import PlanError
-from pipeline.plan.architecture import Architecture, KVLayer, _architecture, _cdiv
+from pipeline.plan.architecture import Architecture, KVLayer, as_architecture, cdiv
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def predict_vllm_kv_cache(
     ``hybrid_kv_cache_manager=False`` (vLLM's ``--disable-hybrid-kv-cache-manager``) treats
     sliding layers as full attention.
     """
-    arch = _architecture(config)
+    arch = as_architecture(config)
     specs = [
         layer if hybrid_kv_cache_manager or layer.window is None
         else KVLayer("full", layer.elements_per_token)
@@ -61,14 +61,14 @@ def predict_vllm_kv_cache(
     else:
         low, high = min(counts.values()), max(counts.values())
         group_size = high if high < low * 1.5 else low
-        groups = [spec for spec, n in counts.items() for _ in range(_cdiv(n, group_size))]
+        groups = [spec for spec, n in counts.items() for _ in range(cdiv(n, group_size))]
     num_blocks = max(kv_budget_bytes // page // group_size, 0)
 
     def request_blocks(spec: KVLayer) -> int:
         if spec.window is None:
-            return _cdiv(max_model_len, block_size)
+            return cdiv(max_model_len, block_size)
         tokens = min(spec.window - 1 + max_num_batched_tokens, max_model_len)
-        return _cdiv(tokens, block_size) + 1
+        return cdiv(tokens, block_size) + 1
 
     per_request = sum(request_blocks(spec) for spec in groups)
     return VllmKVPrediction(

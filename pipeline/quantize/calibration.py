@@ -64,7 +64,7 @@ def caps(calibration: Calibration, rows: int, longest_tokens: int) -> list[str]:
         notes.append(f"{calibration.dataset} has {rows} samples, fewer than the "
                      f"{calibration.num_samples} asked (CALIB_SAMPLES): all {rows} are used. "
                      "For more, point CALIB_DATA= at a larger file or a hub dataset "
-                     "(docs: README, Recipes)")
+                     "(docs/quantize.md, Recipes)")
     if calibration.max_seq_length > longest_tokens:
         notes.append(f"its longest sample is {longest_tokens} tokens, shorter than the "
                      f"{calibration.max_seq_length} asked (CALIB_SEQ_LEN): samples are not "

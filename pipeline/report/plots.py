@@ -10,7 +10,6 @@ from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
-from pipeline.report.render import _suites, _where
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -35,7 +34,7 @@ def _pyplot() -> Any:
 
 
 def _primary_suite(comparison: Comparison) -> str | None:
-    suites = _suites(comparison)
+    suites = comparison.suites
     meaningful = [s for s in suites if any(r.suites.get(s, {}).get("recovery_pct") is not None
                                            for r in comparison.rows)]
     return meaningful[0] if meaningful else None
@@ -98,7 +97,7 @@ def plot_memory(comparison: Comparison) -> tuple[str, str]:
               label=f"worst case ({t.max_context:,} reserved)")
     right.set_xticks(list(xs), names)
     right.set_ylabel("max concurrent requests (planned)")
-    right.set_title(f"Planned concurrency on {_where(comparison)}")
+    right.set_title(f"Planned concurrency on {comparison.planned_on}")
     right.legend(fontsize=7)
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=30)

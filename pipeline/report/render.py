@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
 from pipeline.report.cost import USD_PER_MTOK, price_basis, price_text, range_text
+from pipeline.report.plots import PLOTS
+from pipeline.report.recommend import OBJECTIVE_TEXT
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -44,10 +47,6 @@ def _suite_cell(row: Row, suite: str) -> str:
         return "not meaningful"
     mark = " [emulated]" if fig.get("backend") == EMULATED else ""
     return f"{fig['recovery_pct']:.1f}% [{fig['ci_low']:.1f}, {fig['ci_high']:.1f}]{mark}"
-
-
-def _suites(comparison: Comparison) -> list[str]:
-    return sorted({s for row in comparison.rows for s in row.suites})
 
 
 def _speed_cell(row: Row) -> str:
@@ -93,12 +92,12 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and cells shared by the terminal and Markdown tables."""
     ctx = comparison.plan_target.context
     header = ["variant", "precision", "weights (x base)", "KV tokens (vLLM)",
-              f"max conc. @{ctx} served", f"planned {_where(comparison)} paged/worst",
+              f"max conc. @{ctx} served", f"planned {comparison.planned_on} paged/worst",
               "out tok/s [min-max]",
               "speedup [interval], n, verdict", "TTFT p50 ms", "ITL p50 ms", "users @objective",
               f"$/M out tok @objective ({_price_label(comparison)})",
               *(["req/s @objective", "$/M out tok @req/s"] if _rated(comparison) else []),
-              *[f"recovery {s} [95% CI]" for s in _suites(comparison)], "gate", "figures from"]
+              *[f"recovery {s} [95% CI]" for s in comparison.suites], "gate", "figures from"]
     cells = []
     for row in comparison.rows:
         plan = row.plan
@@ -127,7 +126,7 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             _num(row.headline.get(tracking.ITL_MS_P50)), _capacity_cell(row), _cost_cell(row),
             *([_capacity_cell(row, "rate_capacity"), _cost_cell(row, "rate_")]
               if _rated(comparison) else []),
-            *[_suite_cell(row, s) for s in _suites(comparison)], gate_cell, origin])
+            *[_suite_cell(row, s) for s in comparison.suites], gate_cell, origin])
     return header, cells
 
 
@@ -158,18 +157,13 @@ def terminal(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
-def _where(comparison: Comparison) -> str:
-    t = comparison.plan_target
-    return f"{t.memory_gb:g} GB" if t.memory_gb is not None else t.gpu
-
-
 def _plan_line(comparison: Comparison) -> str:
     t = comparison.plan_target
     note = f" ({comparison.plan_note})" if comparison.plan_note else ""
     return (f"max concurrency{note}: 'served' is the KV cache vLLM reported here divided by "
             f"{t.context:,}-token requests; 'planned' is the capacity planner on "
-            f"{_where(comparison)} with each variant's weights, {t.context:,} tokens per request "
-            f"(paged) or {t.max_context:,} reserved (worst case)")
+            f"{comparison.planned_on} with each variant's weights, {t.context:,} tokens per "
+            f"request (paged) or {t.max_context:,} reserved (worst case)")
 
 
 def _count(n: int, noun: str) -> str:
@@ -215,7 +209,7 @@ def capacity_lines(comparison: Comparison) -> list[str]:
             out.append(f"{row.name}: {target.target_users:,} concurrent users need "
                        f"{_count(c['machines_for_target_users'], 'machine')} like the one "
                        "measured (its capacity measured there)"
-                       + (f"; on {_where(comparison)} the KV cache alone needs at least "
+                       + (f"; on {comparison.planned_on} the KV cache alone needs at least "
                           f"{_count(planned, 'device')} (planned; its latency there is not "
                           "measured)" if planned else ""))
         if c.get("machines_for_target_rps"):
@@ -248,8 +242,6 @@ def search_lines(comparison: Comparison) -> list[str]:
 
 
 def _notes(comparison: Comparison) -> list[str]:
-    from pipeline.report.recommend import OBJECTIVE_TEXT
-
     out = [f"objective {comparison.objective}: {OBJECTIVE_TEXT[comparison.objective]} "
            "(OBJECTIVE=speed|memory|capacity|cost)", *capacity_lines(comparison),
            *search_lines(comparison)]
@@ -304,7 +296,7 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
 
 
 def csv_text(comparison: Comparison) -> str:
-    suites = _suites(comparison)
+    suites = comparison.suites
     fields = [*CSV_FIELDS, *[f"recovery_pct.{s}{x}" for s in suites for x in ("", "_ci_low",
                                                                               "_ci_high")]]
     buf = io.StringIO()
@@ -350,8 +342,6 @@ def csv_text(comparison: Comparison) -> str:
 def html_page(comparison: Comparison, meta: dict[str, str] | None = None) -> str:
     import jinja2
 
-    from pipeline.report.plots import PLOTS
-
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     header, cells = table_rows(comparison)
     return env.get_template("report.html.j2").render(
@@ -364,8 +354,6 @@ def html_page(comparison: Comparison, meta: dict[str, str] | None = None) -> str
 def write(comparison: Comparison, directory: Path, meta: dict[str, str] | None = None
           ) -> list[Path]:
     """All four files into ``directory``, replaced as a whole once complete."""
-    import json
-
     with atomic_dir(directory) as tmp:
         (tmp / "report.html").write_text(html_page(comparison, meta))
         (tmp / "comparison.md").write_text(markdown(comparison))
