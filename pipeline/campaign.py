@@ -234,7 +234,8 @@ def run(settings: CampaignSettings) -> Comparison:
     comparison, _ = report.compare_and_log(base, list(left), file.plan, file.name,
                                            settings.track, failures, file.objective,
                                            file.cost, per_variant=settings.executor == "ray",
-                                           threshold=file.threshold)
+                                           threshold=file.threshold,
+                                           seconds=time.monotonic() - clock.started)
     if comparison.failures:
         raise CampaignIncomplete(
             f"finished in {clock.elapsed()}, but {len(comparison.failures)} failure(s) not due "

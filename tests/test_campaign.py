@@ -170,7 +170,9 @@ class _Stages:
         def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
                     failures: list[dict[str, str]], objective: str,
                     cost: object, per_variant: bool = False,
-                    threshold: float | None = None) -> tuple[object, list]:
+                    threshold: float | None = None,
+                    seconds: float | None = None) -> tuple[object, list]:
+            assert seconds is not None and seconds >= 0  # the parent run spans the campaign
             self.calls["compare"] = recipes
             self.calls["per_variant"] = per_variant
             self.calls["cost"] = cost

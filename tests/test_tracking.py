@@ -55,3 +55,38 @@ def test_a_variant_whose_record_failed_is_recorded_by_the_next_run(
     manifest = quantize.quantize(base, recipe)  # up to date: no work, but now recorded
     assert "is up to date" in capsys.readouterr().out
     assert tracking.find_run(base.name, quantize.STAGE, manifest.cache_key)
+
+
+def test_a_run_logged_after_its_work_spans_the_work_and_opens_on_runs(workspace: Path) -> None:
+    """A stage records its run when the work is done: the run starts ``seconds`` earlier, so
+    MLflow shows how long the work took, not milliseconds; the experiment is marked as model
+    development (MLflow 3's UI then opens on its runs, not on GenAI traces)."""
+    import mlflow
+
+    run_id = tracking.log_run("tiny", "bench", "bench:int8", {"p": 1}, {"m": 2.0},
+                              seconds=120.0)
+    info = mlflow.get_run(run_id).info
+    assert 119_000 <= info.end_time - info.start_time <= 125_000
+    assert info.status == "FINISHED"
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("tiny"))
+    assert experiment.tags[tracking.EXPERIMENT_KIND] == tracking.MODEL_DEVELOPMENT
+    quick = mlflow.get_run(tracking.log_run("tiny", "bench", "bench:fp8", {}, {"m": 1.0})).info
+    assert quick.end_time - quick.start_time < 60_000  # no seconds given: the run's own time
+
+
+def test_make_ui_links_the_newest_campaign_and_its_variants(workspace: Path) -> None:
+    """Where a review starts: the runs table in the model-training view, the newest campaign
+    run and MLflow's comparison of its variant children (none before a campaign exists)."""
+    from pipeline.report import ui
+
+    assert ui.newest_campaign(5000) == ""
+    experiment = tracking.use_experiment("tiny")
+    with (tracking.started_run(experiment, "campaign:default", {tracking.TAG_STAGE: "campaign"},
+                               seconds=30) as parent,
+          tracking.started_run(experiment, "variant:int8", {}, parent=parent.info.run_id)
+          as child):
+        pass
+    link = ui.newest_campaign(5000)
+    assert f"/#/experiments/{experiment}/runs?workflowType=machine_learning" in link
+    assert f"runs/{parent.info.run_id}?workflowType=machine_learning" in link
+    assert f'compare-runs?runs=["{child.info.run_id}"]' in link

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from datetime import datetime, timezone
 
 from pipeline.bench import reference, slo
@@ -99,6 +100,7 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     logs = out.parent / "logs" / key
     cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
     searches = tuple(w for w in loads if w.slo is not None)
+    started = time.monotonic()
     with atomic_dir(out) as tmp:
         chosen = reference.choose(models[0], loads, settings, tmp, logs, target)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
@@ -111,7 +113,8 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
         summary = BenchSummary(
             baseline=base.name, target=target, key=key,
             measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            engine=settings.model_dump(), hardware=hardware.profile().as_dict(),
+            seconds=round(time.monotonic() - started, 1), engine=settings.model_dump(),
+            hardware=hardware.profile().as_dict(),
             devices=hardware.serving_devices(hardware.profile(), settings.tensor_parallel_size,
                                              settings.pipeline_parallel_size),
             speedup_pairing=pairing(target), workloads=[str(w.path) for w in loads],

@@ -115,10 +115,10 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
                 int(record.kv.get("kv_block_size") or 0), workload.headline) \
                 if workload is not None and workload.compare_prefix_caching else None
             sweep = by_name.get(key.removesuffix("_nocache"))
-            looks = sweep.looks(target) if sweep is not None else None
             figures[key] = WorkloadFigures(
                 points={c: point_figures(results, base_points.get(c, []),
-                                         looks if name != BASELINE else None)
+                                         sweep.looks(target, c)
+                                         if sweep is not None and name != BASELINE else None)
                         for c, results in _measured(points).items() if results},
                 prefix_cache_hit_rate=hits / queries if queries else 0.0,
                 prefix_cache_hit_tokens=hits, prefix_cache_query_tokens=queries,
@@ -327,4 +327,4 @@ def log_runs(summary: BenchSummary, loads: list[Workload], settings: EngineSetti
                   tracking.TAG_HARDWARE_KEY: prof.key()},
             artifacts=[out / BenchSummary.FILE,
                        *sorted((out.parent / "logs" / summary.key).glob(f"server-{name}-*.log"))],
-            stepped=stepped)
+            stepped=stepped, seconds=summary.seconds)

@@ -225,6 +225,7 @@ class BenchSummary(Artifact):
     target: str
     key: str = ""
     measured: str = ""
+    seconds: float = 0.0  # the bench run's wall time: servers, every run, the reference probe
     engine: dict[str, Any] = Field(default_factory=dict)
     hardware: dict[str, Any] = Field(default_factory=dict)
     # what each server used (hardware.serving_devices): the devices its figures are priced on
@@ -423,6 +424,17 @@ class Comparison(Artifact):
     @staticmethod
     def directory(baseline: str) -> Path:
         return paths.artifacts_dir() / "reports" / baseline
+
+    @property
+    def suites(self) -> list[str]:
+        """Every suite any row was scored on, sorted."""
+        return sorted({s for row in self.rows for s in row.suites})
+
+    @property
+    def planned_on(self) -> str:
+        """Where the plan columns place each variant: ``80 GB`` or the card's preset."""
+        t = self.plan_target
+        return f"{t.memory_gb:g} GB" if t.memory_gb is not None else t.gpu
 
     def as_dict(self) -> dict[str, Any]:
         data = json.loads(self.model_dump_json())

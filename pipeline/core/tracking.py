@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -33,6 +34,8 @@ QUANTIZE_SECONDS = "quantize_seconds"
 PEAK_RSS_BYTES = "peak_rss_bytes"
 
 TAG_STAGE = "qpipe.stage"
+# the experiment tag MLflow 3's UI reads to choose its view (runs, not GenAI traces)
+EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
 TAG_CACHE_KEY = "qpipe.cache_key"
 # Where a figure came from: the machine's one-line profile (param) and its key (tag).
 PARAM_HARDWARE = "hardware"
@@ -88,10 +91,11 @@ def experiment_name(baseline_name: str) -> str:
     return f"{EXPERIMENT_PREFIX}{baseline_name}"
 
 
-def use_experiment(baseline_name: str) -> None:
-    """Make the baseline's experiment the active one, creating it if missing. With a local
-    SQLite store its artifacts go beside the database (``mlruns/`` next to ``mlflow.db``), not
-    to ``./mlruns`` under whatever directory the process runs in."""
+def use_experiment(baseline_name: str) -> str:
+    """Make the baseline's experiment the active one, creating it if missing; its id. With a
+    local SQLite store its artifacts go beside the database (``mlruns/`` next to
+    ``mlflow.db``), not to ``./mlruns`` under whatever directory the process runs in. It is
+    marked as model development: MLflow 3's UI then opens on its runs, not on GenAI traces."""
     mlflow = mlflow_module()
     name = experiment_name(baseline_name)
     uri = mlflow.get_tracking_uri()
@@ -99,7 +103,38 @@ def use_experiment(baseline_name: str) -> None:
         location = (Path(uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
         with contextlib.suppress(Exception):  # created meanwhile by another process: use it
             mlflow.create_experiment(name, artifact_location=location)
-    mlflow.set_experiment(name)
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get(EXPERIMENT_KIND) != MODEL_DEVELOPMENT:
+        with contextlib.suppress(Exception):  # a view setting: never worth failing a run
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND,
+                                                     MODEL_DEVELOPMENT)
+    return str(experiment.experiment_id)
+
+
+@contextlib.contextmanager
+def started_run(experiment_id: str, run_name: str, tags: Mapping[str, str],
+                seconds: float | None = None, parent: str | None = None) -> Iterator[Any]:
+    """``mlflow.start_run`` in the experiment, begun ``seconds`` ago when given (MLflow then
+    shows how long the work took); ``parent``: the run it is nested under."""
+    mlflow = mlflow_module()
+    if not seconds or seconds <= 0:
+        with mlflow.start_run(run_name=run_name, tags=dict(tags), experiment_id=experiment_id,
+                              nested=parent is not None, parent_run_id=parent) as run:
+            yield run
+        return
+    all_tags = {**tags, "mlflow.runName": run_name,
+                **({"mlflow.parentRunId": parent} if parent else {})}
+    client = mlflow.MlflowClient()
+    created = client.create_run(experiment_id, start_time=int((time.time() - seconds) * 1000),
+                                tags=all_tags, run_name=run_name)
+    try:
+        active = mlflow.start_run(run_id=created.info.run_id, nested=parent is not None)
+    except BaseException:
+        with contextlib.suppress(Exception):  # no half-made run left in the store
+            client.delete_run(created.info.run_id)
+        raise
+    with active as run:
+        yield run
 
 
 def prepare(baseline_name: str) -> None:
@@ -141,16 +176,19 @@ def log_run(
     tags: Mapping[str, str] | None = None,
     artifacts: list[Path] | None = None,
     stepped: list[tuple[str, float, int]] | None = None,
+    seconds: float | None = None,
 ) -> str:
     """Log one finished run in the baseline's experiment; returns its id.
 
     ``stepped`` holds (metric, value, step) for sweeps: the step is the load point.
+    ``seconds``: how long the work took; the run then starts that long ago (it is logged
+    when the work is done, and would otherwise last milliseconds in the UI).
     """
     mlflow = mlflow_module()
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
     try:
-        use_experiment(baseline_name)
-        with mlflow.start_run(run_name=run_name, tags=all_tags) as run:
+        experiment_id = use_experiment(baseline_name)
+        with started_run(experiment_id, run_name, all_tags, seconds) as run:
             mlflow.log_params(dict(params))
             mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
             for name, value, step in stepped or []:

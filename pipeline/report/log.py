@@ -82,19 +82,20 @@ def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
     return params
 
 
-def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, str]) -> str:
-    """One parent run ``campaign:<name>`` with the report as artifacts; one nested child run
-    ``variant:<name>`` per model."""
+def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, str],
+                   seconds: float | None = None) -> str:
+    """One parent run ``campaign:<name>`` with the report as artifacts, spanning the
+    campaign's ``seconds`` when given; one nested child run ``variant:<name>`` per model."""
     mlflow = tracking.mlflow_module()
-    tracking.use_experiment(comparison.baseline)
+    experiment_id = tracking.use_experiment(comparison.baseline)
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
             "failures": "; ".join(f"{f['variant']} ({f['stage']})"
                                   for f in comparison.failures)[:5000] or "none",
             "mlflow.note.content": recommendation_line(comparison)}
-    name = f"campaign:{meta['campaign']}"  # the start time is the run's own
-    with mlflow.start_run(run_name=name, tags=tags) as parent:
+    name = f"campaign:{meta['campaign']}"
+    with tracking.started_run(experiment_id, name, tags, seconds) as parent:
         mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
                            "variants": ",".join(r.name for r in comparison.rows),
                            "workload": comparison.workload or "-",

@@ -20,8 +20,10 @@ def compare_and_log(base: BaselineLike, recipes: list[str] | None, target: PlanT
                     campaign: str = "compare", track: bool = True,
                     failures: list[dict[str, str]] | None = None, objective: str = "speed",
                     cost_target: CostTarget | None = None, per_variant: bool = False,
-                    threshold: float | None = None) -> tuple[Comparison, list[Path]]:
-    """Join, write ``artifacts/reports/<baseline>/`` and log the parent and child runs."""
+                    threshold: float | None = None, seconds: float | None = None
+                    ) -> tuple[Comparison, list[Path]]:
+    """Join, write ``artifacts/reports/<baseline>/`` and log the parent and child runs
+    (``seconds``: how long the campaign took, the parent run's span)."""
     comparison = compare.collect(base, recipes, target, failures, objective, cost_target,
                                  per_variant, threshold)
     meta = run_meta(comparison, campaign)
@@ -31,7 +33,7 @@ def compare_and_log(base: BaselineLike, recipes: list[str] | None, target: PlanT
     print(render.terminal(comparison))
     print(f"\nreport: {out / 'report.html'} (also comparison.md, .csv, .json)")
     if track:
-        run_id = log_comparison(comparison, files, meta)
+        run_id = log_comparison(comparison, files, meta, seconds)
         log.info(f"recorded in MLflow ({default_tracking_uri()}): parent run {run_id} with "
                  f"{len(comparison.rows)} child runs; `make ui` to review")
     return comparison, files
