@@ -78,7 +78,7 @@ def has_chat_template(model_dir: Path) -> bool:
 
 def client_argv(server: VllmServer, variant: Variant, workload: Workload, concurrency: int,
                 out_dir: Path, tag: str, repeat: int = 0) -> list[str]:
-    """The ``vllm bench serve`` arguments for one load point (README: reproduce by hand).
+    """The ``vllm bench serve`` arguments for one load point (docs/bench.md: by hand).
     A prompt file goes through the model's chat template, as a chat request would; a model
     without one (a base model) gets the prompts as they are."""
     skip = ["--skip-chat-template"] if workload.dataset == "custom" and not has_chat_template(
