@@ -166,7 +166,7 @@ def run(out: Path, shape: str | None) -> int:
 
         def planned() -> dict[str, Any]:
             from pipeline.core.artifacts import PlanTarget
-            from pipeline.report.compare import resolve_plan_target
+            from pipeline.report.placement import resolve_plan_target
 
             target, note = resolve_plan_target(PlanTarget(), hardware.profile())
             where = [f"--memory-gb={target.memory_gb}"] if target.memory_gb else \

@@ -315,7 +315,7 @@ def test_metric_names_are_kept_in_one_place():
 
 
 def test_a_checkpoint_with_a_kv_cache_scheme_is_planned_with_an_fp8_cache() -> None:
-    from pipeline.plan.architecture import checkpoint_kv_dtype
+    from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 
     config = json.loads((CONFIGS_DIR / "models" / "smollm2-135m" / "config.json").read_text())
     assert checkpoint_kv_dtype(config) is None

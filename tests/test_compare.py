@@ -23,7 +23,8 @@ from pipeline.core.artifacts import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
-from pipeline.report import compare, cost, plots
+from pipeline.plan import capacity
+from pipeline.report import compare, cost, placement, plots, reference
 from pipeline.report import render as report
 from pipeline.report.recommend import compared, recommend
 
@@ -175,7 +176,7 @@ def test_capacities_are_compared_at_one_objective_and_workload() -> None:
                            (b, "TTFT p90 <= 1000 ms")):
         row.capacity = {"workload": "capacity", "objective": objective,
                         tracking.SLO_MAX_CONCURRENCY: 8}
-    compare.one_objective([base, a, b])
+    reference.one_objective([base, a, b])
     assert not a.capacity.get("other_objective") and b.capacity["other_objective"]
     assert "not at the comparison's TTFT p90 <= 500 ms" in b.notes[0]
     assert report._capacity_cell(b) == "8 (other objective, not ranked)"
@@ -208,30 +209,30 @@ def test_the_comparison_uses_one_reference_run_after_a_partial_rebench() -> None
                                                  "int8": "E"}))
     partial = (Path("partial/summary.json"), _summary({"baseline": "B", "int4": "I"}))
     newest_first = [partial, full]
-    assert compare.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
+    assert reference.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
     # int4 quantized again: only the partial run measured the new checkpoint; the reference
     # is still the run that covers most variants, and int4's row is marked as from another
     identities["int4"] = "I2"
     partial[1].models["int4"].identity = "I2"
-    assert compare.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
+    assert reference.reference_run(newest_first, identities, "cpu-x")[0] == full[0]
     # a run on this machine's hardware wins over one made elsewhere
     elsewhere = (Path("gpu/summary.json"), _summary(dict(identities), "cuda-h100"))
-    assert compare.reference_run([elsewhere, full], identities, "cpu-x")[0] == full[0]
-    assert compare.reference_run([elsewhere], identities, "cpu-x")[0] == elsewhere[0]
-    assert compare.reference_run([], identities, "cpu-x") is None
+    assert reference.reference_run([elsewhere, full], identities, "cpu-x")[0] == full[0]
+    assert reference.reference_run([elsewhere], identities, "cpu-x")[0] == elsewhere[0]
+    assert reference.reference_run([], identities, "cpu-x") is None
 
 
 def test_a_run_from_other_hardware_is_never_comparable_even_beside_its_own_baseline() -> None:
     here = _summary({"baseline": "B", "int8": "E"}, "cpu-x")
     gpu = _summary({"baseline": "B", "int8": "E"}, "cuda-h100")
     gpu.hardware["summary"] = "NVIDIA H100"
-    assert compare.compared_as(here, True, "B", "cpu-x", False) == compare.REFERENCE
-    assert compare.compared_as(here, False, "B", "cpu-x", True) == compare.PAIRED
-    why = compare.compared_as(gpu, False, "B", "cpu-x", True)
+    assert reference.compared_as(here, True, "B", "cpu-x", False) == reference.REFERENCE
+    assert reference.compared_as(here, False, "B", "cpu-x", True) == reference.PAIRED
+    why = reference.compared_as(gpu, False, "B", "cpu-x", True)
     assert why.startswith("measured on other hardware (NVIDIA H100)")
-    assert "another baseline run" in compare.compared_as(here, False, "B", "cpu-x", False)
+    assert "another baseline run" in reference.compared_as(here, False, "B", "cpu-x", False)
     # the reference's own hardware is what counts, not the machine running the comparison
-    assert compare.compared_as(gpu, False, "B", "cuda-h100", True) == compare.PAIRED
+    assert reference.compared_as(gpu, False, "B", "cuda-h100", True) == reference.PAIRED
 
 
 def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() -> None:
@@ -242,7 +243,7 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
     sweep[1].headline = {"chat": 4, "capacity": 0}
     search = (Path("search/summary.json"), _summary(dict(identities)))
     search[1].headline = {"capacity": 0}
-    assert compare.reference_run([search, sweep], identities, "cpu-x")[0] == sweep[0]
+    assert reference.reference_run([search, sweep], identities, "cpu-x")[0] == sweep[0]
     # the capacity itself is an absolute figure: shown from the search's run, and said so
     search[1].measured = "2026-11-30T21:51:10+00:00"
     search[1].models["int8"].workloads = {"capacity": WorkloadFigures(
@@ -250,14 +251,14 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
         capacity={"slo_max_concurrency": 12, "bounds": {"ttft_ms_p99": 500.0}})}
     row = _row("int8", 1.2, gate.PASS)
     prices: dict = {}
-    compare._newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
+    reference.newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
     assert prices["int8"]["example"] and prices["int8"]["price_per_hour"] == 0.10
     assert row.capacity["slo_max_concurrency"] == 12
     assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
     assert row.notes == ["capacity at the objective (concurrency) from bench search "
                          "(2026-11-30T21:51:10+00:00)"]
     other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
-    compare._newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
+    reference.newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
     assert other.capacity == {} and other.notes == []
 
 
@@ -392,10 +393,10 @@ def test_a_mixed_precision_variant_is_planned_from_its_measured_bytes():
               "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
     target = PlanTarget(gpu="h100-80gb", context=2048, max_context=8192)
     rows = {}
-    for name, precision, ratio in (("dense", "bf16", 1.0), ("mix", compare.MIXED, 0.45)):
+    for name, precision, ratio in (("dense", "bf16", 1.0), ("mix", placement.MIXED, 0.45)):
         rows[name] = Row(name=name, recipe=name, scheme="W4A16-G64+W8A8", format="x",
                          precision=precision, weight_bytes=int(269e6 * ratio), weight_ratio=ratio)
-        compare._apply_plan(rows[name], config, target)
+        placement.apply_plan(rows[name], config, target)
     dense, mix = rows["dense"].plan, rows["mix"].plan
     assert mix["planned_weight_bytes"] == int(dense["planned_weight_bytes"] * 0.45)
     assert mix["planned_kv_budget_bytes"] - dense["planned_kv_budget_bytes"] == pytest.approx(
@@ -421,3 +422,42 @@ def test_the_reference_the_speedups_are_against_is_named_in_the_table() -> None:
     text = report.terminal(comparison)
     assert "bf16 (bf16, served in float32)" in text
     assert "reference: the baseline served in float32" in text
+
+
+def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) -> None:
+    """The baseline's model directory is gone and the variant's holds only its manifest: the
+    comparison still plans, sizes and thresholds every row from the stages' records."""
+    from pipeline.core.artifacts import BaselineRecord, Manifest, RecipeInfo
+
+    config = json.loads((Path(__file__).parents[1] / "configs/models/smollm2-135m/config.json")
+                        .read_text())
+    record = BaselineRecord(name="Tiny", directory=str(workspace / "gone"), identity="B",
+                            specs=["tiny"], weight_bytes=269_000_000, config=config)
+    record.write(BaselineRecord.path_of("Tiny"))
+    manifest = Manifest(cache_key="K", baseline={"identity": "B"}, format="float-quantized",
+                        recipe=RecipeInfo(name="fp8kv", scheme="FP8", recovery_threshold_pct=97,
+                                          search={"predicted_damage": 0.5, "how": "test"}),
+                        checkpoint_bytes=170_000_000, weight_bytes=163_000_000, kv_dtype="fp8")
+    manifest.write(Manifest.path("Tiny", "fp8kv"))
+    comparison = compare.collect(BaselineRecord.find("tiny").ref(), target=PlanTarget(
+        gpu="h100-80gb"))
+    base, fp8 = comparison.rows
+    assert base.weight_bytes == 269_000_000 and fp8.weight_ratio == pytest.approx(163 / 269)
+    assert fp8.kv_dtype == "fp8" and fp8.search["predicted_kl"] == 0.5
+    # an FP8 KV cache: half the bytes per token, and the weights saved hold more tokens too
+    assert fp8.plan[capacity.KV_BYTES_PER_TOKEN] * 2 == base.plan[capacity.KV_BYTES_PER_TOKEN]
+    assert fp8.plan[capacity.KV_CACHE_TOKENS] > 2 * base.plan[capacity.KV_CACHE_TOKENS]
+    assert not (workspace / "gone").exists()
+    # `qpipe compare BASELINE=tiny` finds the baseline by its record, resolving nothing
+    from pipeline.report import stage
+    from pipeline.report.settings import CompareSettings
+
+    shown = stage.run(CompareSettings(baseline="tiny", track=False, gpu="h100-80gb"))
+    assert [r.name for r in shown.rows] == ["baseline", "fp8kv"]
+    assert (Comparison.directory("Tiny") / "comparison.md").is_file()
+    # a manifest from before kv_dtype was recorded is refused with the way out
+    manifest.model_copy(update={"kv_dtype": None}).write(Manifest.path("Tiny", "fp8kv"))
+    with pytest.raises(ConfigError, match="make quantize RECIPE=fp8kv"):
+        compare.collect(record.ref())
+    with pytest.raises(ConfigError, match="no baseline 'other'"):
+        BaselineRecord.find("other")

@@ -16,8 +16,8 @@ from pipeline.core.artifacts import CostTarget, PlanTarget, Row
 from pipeline.core.variant import Variant
 from pipeline.eval import EvalSettings, lm
 from pipeline.plan import capacity
-from pipeline.report import compare, cost
-from pipeline.report.compare import resolve_plan_target
+from pipeline.report import cost, placement
+from pipeline.report.placement import resolve_plan_target
 from pipeline.serve import EngineSettings, VllmServer, engine_metrics, failure, server
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -230,22 +230,22 @@ def test_the_comparisons_plan_follows_the_servers_utilisation_and_parallelism() 
                    precision="bf16", weight_bytes=1, weight_ratio=1.0)
 
     one = row()
-    compare._apply_plan(one, config, target)
+    placement.apply_plan(one, config, target)
     assert not one.plan and one.notes[0].startswith("plan: ")  # one H100 cannot hold it
     tp4 = {"tensor_parallel_size": 4, "pipeline_parallel_size": 1,
            "gpu_memory_utilization": 0.9}
     four = row()
-    compare._apply_plan(four, config, target, tp4)
+    placement.apply_plan(four, config, target, tp4)
     paged = four.plan[capacity.MAX_CONCURRENCY_PAGED]
     assert paged > 0 and not four.notes
     half = {**tp4, "gpu_memory_utilization": 0.5}
     halved = row()
-    compare._apply_plan(halved, config, target, half)
+    placement.apply_plan(halved, config, target, half)
     assert 0 < halved.plan[capacity.MAX_CONCURRENCY_PAGED] < paged / 2
-    assert compare._served_as(half) == ("planned as the servers were started: TP 4 x PP 1: "
+    assert placement.served_as(half) == ("planned as the servers were started: TP 4 x PP 1: "
                                         "weights and KV heads split over 4 devices, 50% of "
                                         "each device's memory")
-    assert compare._served_as({}) == ""
+    assert placement.served_as({}) == ""
 
 
 NVIDIA_SMI_L = """\
@@ -372,9 +372,9 @@ def test_the_plan_takes_the_kv_block_the_engine_used_on_that_card() -> None:
                          ).read_text())
     target = PlanTarget(gpu="h100-80gb", context=2050, max_context=8192)
     tp4 = {"tensor_parallel_size": 4}
-    preset = capacity.plan_capacity(config, compare.plan_settings(target, "bf16", 128,
+    preset = capacity.plan_capacity(config, placement.plan_settings(target, "bf16", 128,
                                                                   engine=tp4))
-    engine = capacity.plan_capacity(config, compare.plan_settings(target, "bf16", 128,
+    engine = capacity.plan_capacity(config, placement.plan_settings(target, "bf16", 128,
                                                                   engine=tp4, block_size=64))
     per_token = preset.kv_bytes_per_token_all_layers
     assert preset.kv_bytes_per_request == 2064 * per_token  # 129 blocks of 16

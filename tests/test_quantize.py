@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import paths, tracking
-from pipeline.core.artifacts import Manifest
+from pipeline.core.artifacts import BaselineRecord, Manifest
 from pipeline.core.errors import OutputError, RecipeError
 from pipeline.plan import capacity
-from pipeline.plan.architecture import checkpoint_kv_dtype
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
 from pipeline.quantize import stage as quantize
+from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 
 from .conftest import run_cli
 
@@ -62,6 +62,10 @@ def test_every_recipe_quantizes_reloads_and_generates(
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == fmt
     assert checkpoint_kv_dtype(config) == kv_dtype
+    # what the report reads of the variant is in its manifest, not its files
+    assert manifest.kv_dtype == (kv_dtype or "bf16")
+    assert manifest.recipe.recovery_threshold_pct == _quick(name).recovery_threshold_pct
+    assert BaselineRecord.of(base.name).weight_bytes == manifest.baseline_weight_bytes
     assert manifest.format == fmt
     assert manifest.quantized_layers == 14  # 2 layers x 7 linears; lm_head stays bf16
     assert manifest.quantized_layer_bytes_ratio <= bound
@@ -100,6 +104,11 @@ def test_unchanged_inputs_do_no_work_and_force_redoes(tiny_model: Path, workspac
     again = quantize.quantize(base, _quick("fp8"))
     assert again == first and weights.stat().st_mtime_ns == written  # nothing was redone
     assert len(_mlflow_runs(workspace, base.name)) == 1  # not logged twice
+    # a current manifest from before kv_dtype was recorded gets it, the checkpoint reused
+    old = first.model_copy(update={"kv_dtype": None})
+    old.write(Manifest.path(base.name, "fp8"))
+    assert quantize.quantize(base, _quick("fp8")) == first
+    assert Manifest.load(base.name, "fp8") == first and weights.stat().st_mtime_ns == written
 
     changed = quantize.quantize(base, _quick("int4").with_calibration(num_samples=4))
     assert changed.cache_key != first.cache_key

@@ -27,7 +27,8 @@ from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
 from pipeline.plan import capacity, wna16_kernels
-from pipeline.plan.architecture import checkpoint_kv_dtype, parse_architecture
+from pipeline.plan.architecture import parse_architecture
+from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 from pipeline.serve import (
     EngineSettings,
     ServeError,

@@ -9,6 +9,7 @@ Writes go to a temp file and are renamed into place.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -76,6 +77,8 @@ class RecipeInfo(BaseModel):
     scheme: str = "?"
     description: str = ""
     calibration: dict[str, Any] | None = None
+    recovery_threshold_pct: float | None = None  # the gate the recipe asks for
+    search: dict[str, Any] = Field(default_factory=dict)  # a searched recipe's qpipe.search
 
 
 class Manifest(Artifact):
@@ -100,6 +103,69 @@ class Manifest(Artifact):
     quantized_layer_bytes: int = 0
     quantized_layer_bf16_bytes: int = 0
     quantized_layer_bytes_ratio: float | None = None
+    # the KV cache the checkpoint asks vLLM for (its kv_cache_scheme); None: a manifest written
+    # before it was recorded (`make quantize` records it, reusing the checkpoint)
+    kv_dtype: str | None = None
+
+    def recorded(self, baseline: str, name: str) -> Manifest:
+        """This manifest, refused if it predates a field the report reads."""
+        if self.kv_dtype is None:
+            raise ConfigError(
+                f"{paths.variant_dir(baseline, name) / self.FILE}: written by an older qpipe "
+                f"(no kv_dtype). Fix: `make quantize RECIPE={name}` records it, reusing the "
+                "checkpoint.")
+        return self
+
+
+@dataclass(frozen=True)
+class BaselineRef:
+    """A baseline as a record names it (what :class:`~pipeline.core.variant.BaselineLike`
+    asks for)."""
+
+    name: str
+    path: Path
+    identity: str
+
+
+class BaselineRecord(Artifact):
+    """``artifacts/variants/<baseline>/qpipe_baseline.json``: the baseline as resolved, with
+    what the report needs of it (its weight bytes, its ``config.json``), so that nothing
+    downstream reads the model directory again."""
+
+    FILE: ClassVar[str] = "qpipe_baseline.json"
+    DIR: ClassVar[str] = "variants"
+    name: str
+    directory: str  # the model directory vLLM and transformers load
+    identity: str
+    specs: list[str] = Field(default_factory=list)  # every BASELINE= that resolved to it
+    weight_bytes: int
+    config: dict[str, Any]  # the model's config.json: the capacity planner's input
+
+    def ref(self) -> BaselineRef:
+        return BaselineRef(self.name, Path(self.directory), self.identity)
+
+    @classmethod
+    def path_of(cls, baseline: str) -> Path:
+        return cls.root(baseline) / cls.FILE
+
+    @classmethod
+    def of(cls, baseline: str) -> BaselineRecord | None:
+        return cls.read(cls.path_of(baseline))
+
+    @classmethod
+    def find(cls, spec: str) -> BaselineRecord:
+        """The record a ``BASELINE=`` resolved to before (its name, a spec or its path)."""
+        local = str(Path(spec).expanduser().resolve()) if Path(spec).expanduser().exists() \
+            else None
+        for path in sorted(paths.variants_dir().glob(f"*/{cls.FILE}")):
+            record = cls.read(path)
+            if record is not None and ({spec, spec.lower()} & {record.name, *record.specs}
+                                       or local == record.directory):
+                return record
+        raise ConfigError(
+            f"no baseline {spec!r} in {paths.variants_dir()} (no {cls.FILE}): nothing was "
+            "quantized, benched or scored for it here. Fix: `make all BASELINE=...`, or the "
+            "stages one by one (`make quantize`, `make bench`, `make eval`) first.")
 
 
 
@@ -309,7 +375,7 @@ NOT_EVALUATED = "not evaluated"
 class PlanTarget(BaseModel):
     """Where the planner places each variant: an accelerator preset (or memory) and contexts.
     ``gpu: auto`` is the card this machine has (its preset, else its memory), or h100-80gb on
-    a host without a GPU (decided by :func:`pipeline.report.compare.resolve_plan_target`)."""
+    a host without a GPU (decided by :func:`pipeline.report.placement.resolve_plan_target`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     gpu: str = "auto"

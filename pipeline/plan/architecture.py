@@ -335,14 +335,3 @@ def kv_dtype_bytes(kv_dtype: str) -> int:
     if kv_dtype not in KV_DTYPE_BYTES:
         raise unknown_choice("KV dtype", kv_dtype, tuple(KV_DTYPE_BYTES))
     return KV_DTYPE_BYTES[kv_dtype]
-
-
-def checkpoint_kv_dtype(config: dict[str, Any]) -> str | None:
-    """The KV-cache dtype a compressed-tensors checkpoint makes vLLM use (its
-    ``kv_cache_scheme``: vLLM stores the cache in FP8 unless ``--kv-cache-dtype`` says
-    otherwise), or None when the checkpoint asks for none."""
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
-    scheme = qc.get("kv_cache_scheme")
-    if not isinstance(scheme, dict):
-        return None
-    return "fp8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None

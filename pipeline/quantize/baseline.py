@@ -18,9 +18,11 @@ from pathlib import Path
 
 from pipeline.core import log as qlog
 from pipeline.core import paths
+from pipeline.core.artifacts import BaselineRecord
 from pipeline.core.errors import BaselineError
 from pipeline.core.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
 from pipeline.core.settings import DEFAULT_BASELINE, StageSettings, baseline_field
+from pipeline.quantize import checkpoint
 
 EMBEDDED_ALIASES = (DEFAULT_BASELINE, "embedded")
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -46,7 +48,30 @@ class Baseline:
 
 
 def resolve(spec: str) -> Baseline:
-    """Turn ``BASELINE=`` into a local model directory, converting or downloading once."""
+    """Turn ``BASELINE=`` into a local model directory, converting or downloading once, and
+    record it (:class:`~pipeline.core.artifacts.BaselineRecord`) for the stages after."""
+    baseline = _resolve(spec)
+    record(baseline, EMBEDDED_ALIASES if spec.lower() in EMBEDDED_ALIASES else (spec,))
+    return baseline
+
+
+def record(baseline: Baseline, specs: tuple[str, ...]) -> BaselineRecord:
+    """Write (or extend) the baseline's record: its identity, weight bytes and config."""
+    found = BaselineRecord.of(baseline.name)
+    if found is not None and found.identity == baseline.identity and \
+            found.directory == str(baseline.path) and set(specs) <= set(found.specs):
+        return found
+    kept = found.specs if found is not None and found.identity == baseline.identity else []
+    new = BaselineRecord(
+        name=baseline.name, directory=str(baseline.path), identity=baseline.identity,
+        specs=sorted({*kept, *specs, str(baseline.path)}),
+        weight_bytes=checkpoint.measure(baseline.path).weight_bytes,
+        config=json.loads((baseline.path / "config.json").read_text()))
+    new.write(BaselineRecord.path_of(baseline.name))
+    return new
+
+
+def _resolve(spec: str) -> Baseline:
     if spec.lower() in EMBEDDED_ALIASES:
         path = _embedded_baseline_dir()
         return Baseline(EMBEDDED_NAME, path, spec, identity(path))

@@ -10,6 +10,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.core.errors import BaselineError
 
@@ -93,3 +94,14 @@ def measure(model_dir: Path, baseline_dir: Path | None = None) -> CheckpointSize
         quantized_layer_bytes=layer_bytes,
         quantized_layer_bf16_bytes=bf16_bytes,
     )
+
+
+def checkpoint_kv_dtype(config: dict[str, Any]) -> str | None:
+    """The KV-cache dtype a compressed-tensors checkpoint makes vLLM use (its
+    ``kv_cache_scheme``: vLLM stores the cache in FP8 unless ``--kv-cache-dtype`` says
+    otherwise), or None when the checkpoint asks for none."""
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    scheme = qc.get("kv_cache_scheme")
+    if not isinstance(scheme, dict):
+        return None
+    return "fp8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None

@@ -26,6 +26,7 @@ from pipeline.core.errors import QuantizeError, RecipeError
 from pipeline.core.fsutil import atomic_dir, check_free_space, remove_stale_temp_dirs
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
+from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 from pipeline.quantize.settings import QuantizeSettings
 
 log = qlog.get("quantize")
@@ -116,6 +117,8 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
     manifest = Manifest.load(base.name, recipe.name)
     if is_current(manifest, key) and not force:
         assert manifest is not None
+        if manifest.kv_dtype is None:  # written before it was recorded: record it now
+            manifest = _recorded(manifest, recipe, target)
         log.info(f"{base.name}/{recipe.name} is up to date ({target}); nothing to do (FORCE=1 "
                  "redoes it).")
         _track(base, recipe, manifest, target)
@@ -136,7 +139,9 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
             recipe=RecipeInfo(name=recipe.name, path=str(recipe.path), sha256=recipe.sha256,
                               scheme=scheme, description=recipe.description,
                               calibration=dataclasses.asdict(recipe.calibration)
-                              if recipe.calibration else None),
+                              if recipe.calibration else None,
+                              recovery_threshold_pct=recipe.recovery_threshold_pct,
+                              search=recipe.search),
             libraries=library_versions(),
             hardware={"machine": platform.machine(), "processor": platform.processor(),
                       "device": hardware.torch_device_name()},
@@ -148,7 +153,8 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
             quantized_layers=size.quantized_layers,
             quantized_layer_bytes=size.quantized_layer_bytes,
             quantized_layer_bf16_bytes=size.quantized_layer_bf16_bytes,
-            quantized_layer_bytes_ratio=size.quantized_layer_ratio)
+            quantized_layer_bytes_ratio=size.quantized_layer_ratio,
+            kv_dtype=_kv_dtype(tmp))
         manifest.write(tmp / Manifest.FILE)
     log.info(f"wrote {target}: {size.format}, {size.weight_bytes / 1e6:.1f} MB of weights "
              f"({manifest.compression_ratio:.2f}x smaller than the baseline; quantized layers "
@@ -156,6 +162,21 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
              f"{seconds:.0f} s")
     _track(base, recipe, manifest, target)
     return manifest
+
+
+def _kv_dtype(model_dir: Path) -> str:
+    """The KV cache the checkpoint asks vLLM for: fp8 under a kv_cache_scheme, else bf16."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return checkpoint_kv_dtype(config) or "bf16"
+
+
+def _recorded(manifest: Manifest, recipe: recipes.RecipeFile, target: Path) -> Manifest:
+    """A current manifest from an older qpipe, with what it did not record yet."""
+    info = manifest.recipe.model_copy(update={
+        "recovery_threshold_pct": recipe.recovery_threshold_pct, "search": recipe.search})
+    updated = manifest.model_copy(update={"recipe": info, "kv_dtype": _kv_dtype(target)})
+    updated.write(target / Manifest.FILE)
+    return updated
 
 
 def is_current(manifest: Manifest | None, key: str) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pipeline.core import campaigns, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import Comparison, CostTarget, PlanTarget
+from pipeline.core.artifacts import BaselineRecord, Comparison, CostTarget, PlanTarget
 from pipeline.core.paths import default_tracking_uri
 from pipeline.core.variant import BaselineLike
 from pipeline.report import compare, render
@@ -48,12 +48,12 @@ def plan_target(settings: CompareSettings, file: campaigns.CampaignFile) -> Plan
 
 
 def run(settings: CompareSettings) -> Comparison:
-    from pipeline.quantize.baseline import resolve
-
+    """``qpipe compare``: the baseline as its stages recorded it (nothing is re-resolved)."""
     file = campaigns.load(settings.campaign)
     if settings.track:
         tracking.check_store()
-    comparison, _ = compare_and_log(resolve(settings.baseline), list(settings.recipes) or None,
+    base = BaselineRecord.find(settings.baseline).ref()
+    comparison, _ = compare_and_log(base, list(settings.recipes) or None,
                                     plan_target(settings, file), "compare", settings.track,
                                     objective=settings.objective or file.objective,
                                     cost_target=settings.cost.apply(file.cost),

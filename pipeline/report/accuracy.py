@@ -1,0 +1,76 @@
+"""What each variant keeps of the baseline: its current task results and the gate's verdict,
+and, beside them, what the precision search predicted its damage to be."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.core.artifacts import (
+    EMULATED,
+    SERVED,
+    RecoverySummary,
+    Row,
+    SensitivityTable,
+)
+from pipeline.core.errors import ConfigError
+from pipeline.core.variant import BaselineLike
+from pipeline.eval import gate
+
+
+def apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity: str,
+               own: float | None, threshold: float | None = None) -> None:
+    """The variant's current task results (this checkpoint, baseline and task files), its
+    suite figures and the gate's verdict on them at ``threshold`` (else ``own``, its recipe's
+    as its manifest records it); stale results are named, never used."""
+    entries, stale = gate.current_tasks(summary, identity, base.identity)
+    row.tasks = entries
+    row.suites = gate.suite_figures(entries)
+    backends = {t.backend for t in entries.values()}
+    row.eval_backend = EMULATED if EMULATED in backends else (SERVED if backends else None)
+    div = summary.divergence or {}
+    if div.get("identity") == identity:
+        row.divergence = {k: v for k, v in div.items() if isinstance(v, (int, float))}
+    if own is None and threshold is None:
+        raise ConfigError(
+            f"recipe {row.recipe!r} has no qpipe.recovery_threshold_pct (its manifest records "
+            "none). Fix: add `recovery_threshold_pct: 96` under `qpipe:` in the recipe and "
+            "`make quantize`, or pass THRESHOLD= (--threshold).")
+    row.threshold = threshold if threshold is not None else own
+    row.threshold_from = "recipe" if threshold is None else "campaign"
+    if threshold is not None and threshold != own:
+        row.notes.append(f"gate threshold {threshold:g}%: the campaign's, instead of recipe "
+                         f"{row.recipe}'s own {own:g}% (THRESHOLD= or the campaign file's "
+                         "threshold:)")
+    verdict = gate.judge(entries, row.recipe, row.threshold, stale=stale)
+    row.gate_status, row.gate_reason = verdict.status, verdict.reason()
+    if stale:
+        row.notes.append("eval: not judged, stale: " + "; ".join(stale)
+                         + f" (make eval RECIPE={row.name})")
+
+
+def sensitivity_tables(base: BaselineLike) -> list[SensitivityTable]:
+    """This baseline's sensitivity tables, newest first."""
+    found = []
+    for path in SensitivityTable.root(base.name).glob(f"*/{SensitivityTable.FILE}"):
+        table = SensitivityTable.read(path)
+        if table is not None and table.baseline.get("identity") == base.identity:
+            found.append((path.stat().st_mtime, table))
+    return [t for _, t in sorted(found, key=lambda x: -x[0])]
+
+
+def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTable]) -> None:
+    """What the sensitivity model predicted for this variant: a searched recipe's own
+    prediction (``found``: its ``qpipe.search``, as its manifest records it), or, for a uniform
+    int4/int8 recipe, the table with every unit in its format."""
+    if "predicted_damage" in found:
+        row.search = {"predicted_kl": float(found["predicted_damage"]),
+                      "predicted_weight_bytes": int(found.get("weight_bytes") or 0),
+                      "basis": f"searched: {found.get('how', '?')}"}
+        return
+    table = next((t for t in tables if row.recipe in t.formats), None)
+    if table is not None:
+        size, damage = table.uniform(row.recipe)
+        row.search = {"predicted_kl": damage, "predicted_weight_bytes": size,
+                      "basis": f"every unit at {row.recipe} in the sensitivity table "
+                               "(round-to-nearest)"}
