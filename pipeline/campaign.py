@@ -217,7 +217,12 @@ def _stage(label: str, command: str, failures: list[dict[str, str]], call: objec
 
 
 def run(settings: CampaignSettings) -> Comparison:
-    """``qpipe campaign`` / ``make all``."""
+    """``qpipe campaign`` / ``make all``: its stage runs are nested under its MLflow run."""
+    with tracking.campaign_scope():
+        return _run(settings)
+
+
+def _run(settings: CampaignSettings) -> Comparison:
     file = settings.file()
     if settings.track:
         tracking.check_store()  # seconds now, not minutes after the work

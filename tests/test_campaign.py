@@ -74,6 +74,9 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
         "planned_max_concurrency_worst_case"] > 0
     assert fp8["tags"]["eval_backend"] == "emulated"
     assert {"quantize:fp8", "quantize:mxfp4"} <= set(in_sqlite)
+    # the stage runs the campaign made sit under its run of their model
+    assert in_sqlite["quantize:fp8"]["parent"] == "variant:fp8"
+    assert in_sqlite["eval:mxfp4 (emulated)"]["parent"] == "variant:mxfp4"
 
     # The MLflow server shows the campaign through its REST API, and stops cleanly.
     with services.mlflow_server(sqlite, workspace / "mlartifacts") as url:

@@ -78,15 +78,50 @@ def test_make_ui_links_the_newest_campaign_and_its_variants(workspace: Path) -> 
     """Where a review starts: the runs table in the model-training view, the newest campaign
     run and MLflow's comparison of its variant children (none before a campaign exists)."""
     from pipeline.report import ui
+    from pipeline.report.log import CHILD_STAGE
 
     assert ui.newest_campaign(5000) == ""
     experiment = tracking.use_experiment("tiny")
-    with (tracking.started_run(experiment, "campaign:default", {tracking.TAG_STAGE: "campaign"},
-                               seconds=30) as parent,
-          tracking.started_run(experiment, "variant:int8", {}, parent=parent.info.run_id)
-          as child):
-        pass
+    with tracking.started_run(experiment, "campaign:default", {tracking.TAG_STAGE: "campaign"},
+                              seconds=30) as parent:
+        with tracking.started_run(experiment, "variant:int8", {tracking.TAG_STAGE: CHILD_STAGE},
+                                  parent=parent.info.run_id) as child:
+            pass
+        with tracking.started_run(experiment, "bench:gone", {}, parent=parent.info.run_id):
+            pass  # a stage run nested beside the variants is not one of them
     link = ui.newest_campaign(5000)
     assert f"/#/experiments/{experiment}/runs?workflowType=machine_learning" in link
     assert f"runs/{parent.info.run_id}?workflowType=machine_learning" in link
     assert f'compare-runs?runs=["{child.info.run_id}"]' in link
+
+
+def test_a_campaigns_stage_runs_are_nested_under_its_run_of_their_model(workspace: Path) -> None:
+    """Runs logged while a campaign runs carry its id; when it logs its comparison they go
+    under its run of their model (else under the campaign's run); runs made outside stay."""
+    import os
+
+    import mlflow
+
+    before = tracking.log_run("tiny", "quantize", "quantize:fp8", {}, {}, variant="fp8")
+    with tracking.campaign_scope() as campaign_id:
+        assert os.environ[tracking.CAMPAIGN_ENV] == campaign_id
+        made = {name: tracking.log_run("tiny", name.split(":")[0], name, {}, {},
+                                       variant=name.split(":")[1])
+                for name in ("quantize:int8", "bench:baseline", "bench:int8", "eval:gone")}
+        experiment = tracking.use_experiment("tiny")
+        with tracking.started_run(experiment, "campaign:default", {}) as parent:
+            kids = {}
+            for model in ("baseline", "int8"):
+                with tracking.started_run(experiment, f"variant:{model}", {},
+                                          parent=parent.info.run_id) as child:
+                    kids[model] = child.info.run_id
+        assert tracking.nest_stage_runs(experiment, campaign_id, parent.info.run_id, kids) == 4
+    assert tracking.CAMPAIGN_ENV not in os.environ
+
+    def parent_of(run_id: str) -> str | None:
+        return mlflow.get_run(run_id).data.tags.get("mlflow.parentRunId")
+
+    assert parent_of(made["quantize:int8"]) == parent_of(made["bench:int8"]) == kids["int8"]
+    assert parent_of(made["bench:baseline"]) == kids["baseline"]
+    assert parent_of(made["eval:gone"]) == parent.info.run_id  # its model is not a row
+    assert parent_of(before) is None

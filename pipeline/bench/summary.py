@@ -327,4 +327,4 @@ def log_runs(summary: BenchSummary, loads: list[Workload], settings: EngineSetti
                   tracking.TAG_HARDWARE_KEY: prof.key()},
             artifacts=[out / BenchSummary.FILE,
                        *sorted((out.parent / "logs" / summary.key).glob(f"server-{name}-*.log"))],
-            stepped=stepped, seconds=summary.seconds)
+            stepped=stepped, seconds=summary.seconds, variant=name)

@@ -10,6 +10,7 @@ import os
 import platform
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ TAG_STAGE = "qpipe.stage"
 # the experiment tag MLflow 3's UI reads to choose its view (runs, not GenAI traces)
 EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
 TAG_CACHE_KEY = "qpipe.cache_key"
+# A campaign puts its id in the environment (its processes and Ray tasks inherit it); the stage
+# runs it causes carry it and their model's name, and are nested under the campaign's run of
+# that model when the campaign logs its comparison.
+CAMPAIGN_ENV = "QPIPE_CAMPAIGN_ID"
+TAG_CAMPAIGN_ID, TAG_VARIANT = "qpipe.campaign_id", "qpipe.variant"
 # Where a figure came from: the machine's one-line profile (param) and its key (tag).
 PARAM_HARDWARE = "hardware"
 TAG_HARDWARE_KEY = "qpipe.hardware_key"
@@ -137,6 +143,38 @@ def started_run(experiment_id: str, run_name: str, tags: Mapping[str, str],
         yield run
 
 
+@contextlib.contextmanager
+def campaign_scope() -> Iterator[str]:
+    """A new campaign id in the environment while the campaign runs."""
+    campaign_id, before = uuid.uuid4().hex[:16], os.environ.get(CAMPAIGN_ENV)
+    os.environ[CAMPAIGN_ENV] = campaign_id
+    try:
+        yield campaign_id
+    finally:
+        if before is None:
+            os.environ.pop(CAMPAIGN_ENV, None)
+        else:
+            os.environ[CAMPAIGN_ENV] = before
+
+
+def nest_stage_runs(experiment_id: str, campaign_id: str, parent: str,
+                    children: Mapping[str, str]) -> int:
+    """Nest the stage runs made during campaign ``campaign_id`` under its run of their model
+    (``children``: model name -> run id), else under the campaign's run; returns how many."""
+    mlflow = mlflow_module()
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([experiment_id],
+                              filter_string=f"tags.`{TAG_CAMPAIGN_ID}` = '{campaign_id}'")
+    nested = 0
+    for run in runs:
+        if run.info.run_id == parent or run.info.run_id in children.values():
+            continue
+        target = children.get(run.data.tags.get(TAG_VARIANT, ""), parent)
+        client.set_tag(run.info.run_id, "mlflow.parentRunId", target)
+        nested += 1
+    return nested
+
+
 def prepare(baseline_name: str) -> None:
     """Create the store and the baseline's experiment now: processes that log at once must
     not race to create the schema of a new SQLite store."""
@@ -177,15 +215,21 @@ def log_run(
     artifacts: list[Path] | None = None,
     stepped: list[tuple[str, float, int]] | None = None,
     seconds: float | None = None,
+    variant: str | None = None,
 ) -> str:
     """Log one finished run in the baseline's experiment; returns its id.
 
     ``stepped`` holds (metric, value, step) for sweeps: the step is the load point.
     ``seconds``: how long the work took; the run then starts that long ago (it is logged
-    when the work is done, and would otherwise last milliseconds in the UI).
+    when the work is done, and would otherwise last milliseconds in the UI). ``variant``: the
+    model it is about, under whose campaign run it is nested when a campaign made it.
     """
     mlflow = mlflow_module()
     all_tags = {TAG_STAGE: stage, "qpipe.host": platform.node(), **(tags or {})}
+    if variant is not None:
+        all_tags[TAG_VARIANT] = variant
+    if os.environ.get(CAMPAIGN_ENV):
+        all_tags[TAG_CAMPAIGN_ID] = os.environ[CAMPAIGN_ENV]
     try:
         experiment_id = use_experiment(baseline_name)
         with started_run(experiment_id, run_name, all_tags, seconds) as run:

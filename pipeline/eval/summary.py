@@ -244,6 +244,7 @@ def log_mlflow(base: baselines.Baseline, model: Variant, backend: str, tasks: li
         if summary is not None:
             artifacts.append(summary)
         run_id = tracking.log_run(base.name, STAGE, name, params, metrics, tags, artifacts,
-                                  seconds=sum(r.seconds for r in results.values()))
+                                  seconds=sum(r.seconds for r in results.values()),
+                                  variant=model.name)
     log.info(f"{model.name} ({backend}): recorded in MLflow, run {run_id}")
     return run_id

@@ -258,7 +258,7 @@ def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: Manif
                  tracking.PEAK_RSS_BYTES: manifest.peak_rss_bytes},
         tags={tracking.TAG_CACHE_KEY: manifest.cache_key, "qpipe.variant_dir": str(target)},
         artifacts=[target / "qpipe_recipe.yaml", target / Manifest.FILE],
-        seconds=manifest.quantize_seconds,
+        seconds=manifest.quantize_seconds, variant=recipe.name,
     )
     log.info(f"recorded in MLflow ({paths.default_tracking_uri()}), run {run_id}")
 

@@ -85,7 +85,8 @@ def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
 def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, str],
                    seconds: float | None = None) -> str:
     """One parent run ``campaign:<name>`` with the report as artifacts, spanning the
-    campaign's ``seconds`` when given; one nested child run ``variant:<name>`` per model."""
+    campaign's ``seconds`` when given; one nested child run ``variant:<name>`` per model, and
+    under it the quantize, bench and eval runs the campaign made of that model."""
     mlflow = tracking.mlflow_module()
     experiment_id = tracking.use_experiment(comparison.baseline)
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
@@ -95,6 +96,8 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
                                   for f in comparison.failures)[:5000] or "none",
             "mlflow.note.content": recommendation_line(comparison)}
     name = f"campaign:{meta['campaign']}"
+    campaign_id = os.environ.get(tracking.CAMPAIGN_ENV)
+    children: dict[str, str] = {}
     with tracking.started_run(experiment_id, name, tags, seconds) as parent:
         mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
                            "variants": ",".join(r.name for r in comparison.rows),
@@ -116,7 +119,11 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
             if row.price:  # a cost figure never without whose price it is
                 child_tags["price_basis"] = price_basis(row.price)
                 child_tags["price_source"] = str(row.price.get("source", ""))[:500]
-            with mlflow.start_run(run_name=f"variant:{row.name}", nested=True, tags=child_tags):
+            with mlflow.start_run(run_name=f"variant:{row.name}", nested=True,
+                                  tags=child_tags) as child:
                 mlflow.log_params(_child_params(comparison, row))
                 mlflow.log_metrics(child_metrics(row))
-        return parent.info.run_id
+                children[row.name] = child.info.run_id
+    if campaign_id:  # the stage runs this campaign made, each under its model's run
+        tracking.nest_stage_runs(experiment_id, campaign_id, parent.info.run_id, children)
+    return parent.info.run_id

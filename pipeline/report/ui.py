@@ -12,6 +12,7 @@ from pipeline.core import log as qlog
 from pipeline.core import paths, procs, tracking
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import StageSettings
+from pipeline.report.log import CHILD_STAGE
 from pipeline.report.log import STAGE as CAMPAIGN_STAGE
 
 log = qlog.get("ui")
@@ -49,7 +50,8 @@ def newest_campaign(port: int) -> str:
         parent = runs[0].info
         children = mlflow.search_runs(
             [parent.experiment_id], output_format="list",
-            filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")
+            filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}' and "
+            f"{stage} = '{CHILD_STAGE}'")  # its variants, not a stage run nested beside them
     except Exception:  # a view's convenience: the UI itself says what is wrong with the store
         return ""
     base = f"http://127.0.0.1:{port}/#/"
