@@ -16,6 +16,7 @@ from pipeline.bench.slo import (
     CapacitySearch,
     Objective,
     Point,
+    run_spread,
     start_wave,
 )
 from pipeline.bench.summary import capacity_figures
@@ -399,3 +400,23 @@ def test_a_derived_first_rate_is_what_the_figures_and_the_table_use(tmp_path):
     figures = capacity_figures(found, {}, w, {})
     assert figures[tracking.SLO_MAX_REQUEST_RATE] == pytest.approx(0.75 * 2 ** 1.5)
     assert figures["points"]["1"]["rate"] == 0.75
+
+
+def test_two_lucky_runs_are_judged_with_the_spread_the_other_points_showed():
+    """Runs at one load on the 2-core CPU differ by ~1.5 on the log-odds: a point whose two
+    runs happened to keep every request is shown to meet 90% alone, but not once another
+    point of the search has shown runs that far apart (its runs then continue); a point whose
+    runs were all perfect shows no spread and is not pooled."""
+    lucky = Point(14, looks=4)
+    lucky.per_run += [(21, 21), (21, 21)]
+    assert lucky.look(0.9, 0.05) == MEETS
+    assert run_spread([lucky]) is None
+    neighbour = Point(12, looks=4)
+    neighbour.per_run += [(21, 21), (11, 21), (20, 21)]
+    spread = run_spread([neighbour, lucky])
+    assert spread is not None and spread.df == 2 and spread.between > 1
+    assert lucky.look(0.9, 0.05, spread) is None and lucky.decided_by[0] < 0.9
+    # a clear miss is still a miss with the spread, once the spread rests on a few runs
+    missing = Point(20, looks=4)
+    missing.per_run += [(5, 21), (7, 21), (4, 21)]
+    assert missing.look(0.9, 0.05, run_spread([neighbour, missing])) == MISSES

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.core.shares import share_bounds, t_quantile
+from pipeline.core.shares import logit, logit_normal_mean, share_bounds, t_quantile
 
 ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
 MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
@@ -40,6 +41,8 @@ MIN_RUNS = 2  # a load point's verdict rests on at least this many runs
 PILOT = "qpipe_pilot"  # marks a search's short first run: its throughput is no point's figure
 # what a search counts; part of a bench run's cache key, so a change re-measures
 COUNTED = "requests past each closed-loop run's start-up wave"
+# how a point is judged; in a capacity search's cache key likewise
+RULE = "exact and runs' t bounds, widened by the runs' log-odds spread over the search's points"
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # what `vllm bench serve --goodput` accepts
@@ -202,6 +205,7 @@ class Point:
     looks: int  # the most runs it may have; ALPHA is split evenly over them
     per_run: list[tuple[int, int]] = field(default_factory=list)
     verdict: str | None = None  # meets | misses | undecided; None while it runs
+    decided_by: tuple[float, float] | None = None  # the bounds at its last look
 
     @property
     def good(self) -> int:
@@ -216,12 +220,19 @@ class Point:
     def runs(self) -> int:
         return len(self.per_run)
 
-    def bounds(self, alpha: float) -> tuple[float, float]:
-        """One-sided bounds of its attainment, each at ``alpha`` / its looks: the exact
-        (Clopper-Pearson) bounds of its requests, widened, from two runs on, to a t bound on
-        the runs' shares with k - 1 degrees of freedom (a run is the unit: its requests share
-        the machine's state, and on the 2-core CPU one run at a load kept 100% while the next
-        kept 50%). Runs that agree leave the exact bounds as they are."""
+    @property
+    def logits(self) -> list[float]:
+        return [logit(g, n) for g, n in self.per_run]
+
+    def bounds(self, alpha: float, spread: RunSpread | None = None) -> tuple[float, float]:
+        """One-sided bounds of its attainment (the mean over runs), each at ``alpha`` / its
+        looks: the exact (Clopper-Pearson) bounds of its requests, widened, from two runs on,
+        to a t bound on the runs' shares with k - 1 degrees of freedom (a run is the unit: its
+        requests share the machine's state, and on the 2-core CPU one run at a load kept 100%
+        while the next kept 50%), and to the bound ``spread`` gives (how much runs vary at
+        the search's other points too: two lucky runs at a point are judged with the spread
+        its neighbours showed). Runs that agree, where no point's runs have differed yet,
+        leave the exact bounds as they are."""
         level = alpha / self.looks
         low, high = share_bounds(self.good, self.counted, level)
         k = len(self.per_run)
@@ -231,18 +242,61 @@ class Point:
         share = self.good / total
         # the spread of the runs' shares about the pooled one (a ratio estimator's
         # cluster-robust variance)
-        spread = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / total ** 2
-        margin = t_quantile(1 - level, k - 1) * math.sqrt(spread * k / (k - 1))
-        return max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
+        own = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / total ** 2
+        margin = t_quantile(1 - level, k - 1) * math.sqrt(own * k / (k - 1))
+        low, high = max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
+        if spread is None:
+            return low, high
+        # the runs' mean log-odds, with the spread pooled over the search's points; its
+        # bounds as mean shares over runs (logit-normal), each end with the spread that is
+        # conservative there: the whole for the lower end, the between-run part for the upper
+        mean = statistics.fmean(self.logits)
+        margin = t_quantile(1 - level, spread.df) * math.sqrt(spread.variance / k)
+        return (min(low, logit_normal_mean(mean - margin, math.sqrt(spread.variance))),
+                max(high, logit_normal_mean(mean + margin, math.sqrt(spread.between))))
 
-    def look(self, target: float, alpha: float) -> str | None:
+    def look(self, target: float, alpha: float, spread: RunSpread | None = None) -> str | None:
         """The verdict, from two runs on (one run cannot show how runs vary)."""
-        low, high = self.bounds(alpha)
+        low, high = self.bounds(alpha, spread)
+        self.decided_by = (low, high)
         if self.runs >= MIN_RUNS and low >= target:
             return MEETS
         if self.runs >= MIN_RUNS and high < target:
             return MISSES
         return UNDECIDED if self.runs >= self.looks else None
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """How much the runs of one load point differ, on the log-odds scale, pooled over a
+    search's points: ``variance`` (every run's about its point's mean, with ``df`` degrees of
+    freedom) and ``between``, less the requests' own binomial noise."""
+
+    variance: float
+    between: float
+    df: int
+
+
+def run_spread(points: Iterable[Point]) -> RunSpread | None:
+    """The runs' spread over the points of two runs or more whose runs are not all perfect
+    (or all missed): a point at the ceiling of the log-odds shows no spread however much its
+    runs vary. None before any such point."""
+    squares, df, noise, runs = 0.0, 0, 0.0, 0
+    for point in points:
+        if point.runs < MIN_RUNS or all(g == n for g, n in point.per_run) or \
+                all(g == 0 for g, _ in point.per_run):
+            continue
+        ys = point.logits
+        mean = statistics.fmean(ys)
+        squares += sum((y - mean) ** 2 for y in ys)
+        df += len(ys) - 1
+        for g, n in point.per_run:
+            s = (g + 0.5) / (n + 1)
+            noise += 1 / ((n + 1) * s * (1 - s))
+            runs += 1
+    if not df:
+        return None
+    return RunSpread(squares / df, max(0.0, squares / df - noise / runs), df)
 
 
 @dataclass
@@ -306,7 +360,7 @@ class CapacitySearch:
     def record(self, concurrency: int, good: int, counted: int) -> None:
         point = self.points[concurrency]
         point.per_run.append((good, counted))
-        point.verdict = point.look(self.target, self.alpha)
+        point.verdict = point.look(self.target, self.alpha, run_spread(self.points.values()))
         if point.verdict is not None:
             self._current = self._next_concurrency()
 
@@ -337,7 +391,7 @@ class CapacitySearch:
         low, high = self.low, self.high
         points = {}
         for c, p in sorted(self.points.items()):
-            lo, hi = p.bounds(self.alpha)
+            lo, hi = p.decided_by or p.bounds(self.alpha)
             points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs, "looks": p.looks,
                          "attainment": p.good / p.counted if p.counted else 0.0,
                          "low": lo, "high": hi, "verdict": p.verdict or UNDECIDED}

@@ -42,7 +42,8 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                               "trace": ""} for w in loads],
                "engine": settings.identity(), "target": target, "vllm": vllm_version(),
                "attainment": slo.COUNTED, "warm_up": workloads_mod.WARM_UP,
-               "hardware": hardware.profile().key()}
+               "hardware": hardware.profile().key(),
+               **({"capacity_rule": slo.RULE} if any(w.slo is not None for w in loads) else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
                           ).hexdigest()[:16]
 
