@@ -17,6 +17,8 @@ from pipeline.core.artifacts import (
     CostTarget,
     ModelBench,
     PlanTarget,
+    Prediction,
+    Price,
     Row,
     TaskEntry,
     WorkloadFigures,
@@ -134,7 +136,7 @@ def _searched(row: Row, tps: float, censored: bool = False) -> Row:
                     "capacity_high": None if censored else 9,
                     **({} if censored else {
                         tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss": 1.2 * tps})}
-    row.price = {"price_per_hour": 0.36, "example": True, "source": "test"}
+    row.price = Price(price_per_hour=0.36, example=True, source="test")
     row.cost = cost.figures(row, 0.36, CostTarget())
     return row
 
@@ -252,7 +254,7 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
     row = _row("int8", 1.2, gate.PASS)
     prices: dict = {}
     reference.newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
-    assert prices["int8"]["example"] and prices["int8"]["price_per_hour"] == 0.10
+    assert prices["int8"].example and prices["int8"].price_per_hour == 0.10
     assert row.capacity["slo_max_concurrency"] == 12
     assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
     assert row.notes == ["capacity at the objective (concurrency) from bench search "
@@ -366,12 +368,13 @@ def test_served_concurrency_divides_the_engines_kv_cache_by_whole_blocks() -> No
 
 def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_path: Path):
     searched = _row("searched-1.15xint4", 0.9, gate.PASS)
-    searched.search = {"predicted_kl": 0.02, "predicted_weight_bytes": 130_000_000,
-                       "basis": "searched: least predicted damage within 1.15x uniform int4"}
+    searched.search = Prediction(predicted_kl=0.02, predicted_weight_bytes=130_000_000,
+                                 basis="searched: least predicted damage within 1.15x uniform "
+                                       "int4")
     searched.divergence = {"kl_div_mean": 0.03}
     uniform = _row("int4", 0.8, gate.PASS)
-    uniform.search = {"predicted_kl": 0.08, "predicted_weight_bytes": 113_000_000,
-                      "basis": "every unit at int4 in the sensitivity table"}
+    uniform.search = Prediction(predicted_kl=0.08, predicted_weight_bytes=113_000_000,
+                                basis="every unit at int4 in the sensitivity table")
     comparison = _comparison([_baseline(), uniform, searched])
     lines = report.search_lines(comparison)
     assert lines[0].startswith("precision search, additivity checked")
@@ -443,7 +446,7 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
         gpu="h100-80gb"))
     base, fp8 = comparison.rows
     assert base.weight_bytes == 269_000_000 and fp8.weight_ratio == pytest.approx(163 / 269)
-    assert fp8.kv_dtype == "fp8" and fp8.search["predicted_kl"] == 0.5
+    assert fp8.kv_dtype == "fp8" and fp8.search.predicted_kl == 0.5
     # an FP8 KV cache: half the bytes per token, and the weights saved hold more tokens too
     assert fp8.plan[capacity.KV_BYTES_PER_TOKEN] * 2 == base.plan[capacity.KV_BYTES_PER_TOKEN]
     assert fp8.plan[capacity.KV_CACHE_TOKENS] > 2 * base.plan[capacity.KV_CACHE_TOKENS]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import CostTarget, Row
+from pipeline.core.artifacts import CostTarget, Price, Row
 from pipeline.core.hardware import Gpu, Profile
 from pipeline.report import cost, crossover
 
@@ -57,17 +57,17 @@ def test_an_eight_gpu_hosts_tp1_run_is_priced_as_one_gpu_and_tp4_as_four():
     one = hardware.serving_devices(node, 1, 1)
     assert one["count"] == 1 and one["host_gpus"] == 8 and not one["mig"]
     priced = cost.price_of(CostTarget(), one)
-    assert priced["price_per_hour"] == 3.0 and priced["example"]
-    assert "1 x h100-80gb's example price_per_hour" in priced["source"]
-    assert cost.price_of(CostTarget(), hardware.serving_devices(node, 2, 2))[
-        "price_per_hour"] == 12.0
+    assert priced.price_per_hour == 3.0 and priced.example
+    assert "1 x h100-80gb's example price_per_hour" in priced.source
+    assert cost.price_of(CostTarget(), hardware.serving_devices(node, 2, 2)
+                         ).price_per_hour == 12.0
     # the user's own price is theirs, not an example; a CPU host gets the host figure
-    assert cost.price_of(CostTarget(price_per_hour=7.0), one) == {
-        "price_per_hour": 7.0, "example": False,
-        "source": "PRICE_PER_HOUR / the campaign's cost.price_per_hour"}
+    assert cost.price_of(CostTarget(price_per_hour=7.0), one) == Price(
+        price_per_hour=7.0, example=False,
+        source="PRICE_PER_HOUR / the campaign's cost.price_per_hour")
     host = hardware.serving_devices(Profile(target="cpu", **FACTS))
     assert host["unit"] == "host" and host["count"] == 1
-    assert cost.price_of(CostTarget(host_price_per_hour=0.2), host)["price_per_hour"] == 0.2
+    assert cost.price_of(CostTarget(host_price_per_hour=0.2), host).price_per_hour == 0.2
     assert cost.price_text(cost.price_of(CostTarget(), host)) == "$0.1/h example price"
     assert cost.price_text(cost.price_of(CostTarget(price_per_hour=7.0), host)) == "$7/h"
 
@@ -76,8 +76,7 @@ def test_a_mig_slice_says_it_is_priced_as_the_whole_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5d1c-ab")
     devices = hardware.serving_devices(Profile(target="cuda", **FACTS, gpus=(H100,)))
     assert devices["mig"]
-    assert "a MIG slice, priced as the whole GPU" in cost.price_of(CostTarget(), devices)[
-        "source"]
+    assert "a MIG slice, priced as the whole GPU" in cost.price_of(CostTarget(), devices).source
 
 
 def test_a_run_recorded_before_runs_kept_their_devices_is_priced_from_its_engine():
@@ -87,7 +86,7 @@ def test_a_run_recorded_before_runs_kept_their_devices_is_priced_from_its_engine
                        hardware={"key": "cuda-h100", "gpus": [
                            {"name": H100.name, "memory_mib": H100.memory_mib}] * 8})
     assert cost.devices_of(old)["count"] == 2
-    assert cost.price_of(CostTarget(), cost.devices_of(old))["price_per_hour"] == 6.0
+    assert cost.price_of(CostTarget(), cost.devices_of(old)).price_per_hour == 6.0
 
 
 def _sweep(*points: tuple[int, float, float, float]) -> dict[int, dict[str, float]]:

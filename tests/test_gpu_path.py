@@ -288,9 +288,9 @@ def test_a_mig_slice_and_an_unlisted_card_are_not_the_full_preset(
     devices = hardware.serving_devices(mig, visible="")
     assert devices["mig"] and devices["memory_mib"] == gpu.visible_memory_mib
     priced = cost.price_of(CostTarget(), devices)
-    assert "a MIG slice, priced as the whole GPU" in priced["source"]
+    assert "a MIG slice, priced as the whole GPU" in priced.source
     priced = cost.price_of(CostTarget(), hardware.serving_devices(nvl, visible=""))
-    assert "NVIDIA H100 NVL has no preset, priced as the nearest" in priced["source"]
+    assert "NVIDIA H100 NVL has no preset, priced as the nearest" in priced.source
 
 
 def test_every_served_score_comes_before_any_model_loaded_in_this_process(

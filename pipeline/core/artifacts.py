@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
@@ -397,6 +397,30 @@ class CostTarget(BaseModel):
     target_rps: float | None = Field(None, gt=0)  # requests per second to serve
 
 
+class Price(BaseModel):
+    """The hourly price of what one server used, where it comes from, and whether it is an
+    example figure (every price the user did not set)."""
+
+    price_per_hour: float
+    example: bool = True
+    source: str = ""
+
+    @property
+    def basis(self) -> str:
+        """``example`` (a price the user did not set) or ``set``."""
+        return "example" if self.example else "set"
+
+
+class Prediction(BaseModel):
+    """What the precision search's sensitivity model predicted for a variant: its held-out
+    KL and weight bytes, and from what (its searched recipe, or the table with every unit in
+    one format)."""
+
+    predicted_kl: float
+    predicted_weight_bytes: int = 0
+    basis: str
+
+
 class Row(BaseModel):
     """Everything known about one model of a comparison."""
 
@@ -420,8 +444,7 @@ class Row(BaseModel):
     capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective: users
     rate_capacity: dict[str, Any] = Field(default_factory=dict)  # and requests/s (a rate search)
     cost: dict[str, Any] = Field(default_factory=dict)  # per million tokens, machines needed
-    # the hourly price of what its run's server used: price_per_hour, source, example
-    price: dict[str, Any] = Field(default_factory=dict)
+    price: Price | None = None  # the hourly price of what its run's server used
     kv: dict[str, float] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
     peak_memory_bytes: int = 0
@@ -430,9 +453,7 @@ class Row(BaseModel):
     suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
     tasks: dict[str, TaskEntry] = Field(default_factory=dict)
     divergence: dict[str, float] = Field(default_factory=dict)
-    # a precision search's prediction for this variant: predicted_kl, predicted_weight_bytes,
-    # basis (the searched recipe, or the sensitivity table with every unit in one format)
-    search: dict[str, Any] = Field(default_factory=dict)
+    search: Prediction | None = None  # the precision search's prediction for this variant
     threshold: float | None = None
     threshold_from: str = ""  # whose threshold: the recipe's, or a campaign's (said so)
     gate_status: str = NOT_EVALUATED
@@ -441,6 +462,11 @@ class Row(BaseModel):
     measurement: str = ""  # the bench run (its key) the speed figures come from
     comparable: bool = True  # measured in the comparison's reference run: same baseline run,
     # workload and load point as every other comparable row
+
+    @field_validator("price", "search", mode="before")
+    @classmethod
+    def _none_for_empty(cls, value: Any) -> Any:
+        return None if value == {} else value  # as comparisons before these were typed say
 
     @property
     def speedup(self) -> float | None:
@@ -473,8 +499,7 @@ class Comparison(Artifact):
     load_point: int | None
     plan_target: PlanTarget
     cost_target: CostTarget = Field(default_factory=CostTarget)
-    # the reference run's price (price_per_hour, source, example); each row has its own
-    price: dict[str, Any] = Field(default_factory=dict)
+    price: Price | None = None  # the reference run's price; each row has its own
     traffic: dict[str, dict[str, float]] = Field(default_factory=dict)  # prompt-file lengths
     recommendation: str | None
     reason: str

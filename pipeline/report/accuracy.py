@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.core.artifacts import (
     EMULATED,
     SERVED,
+    Prediction,
     RecoverySummary,
     Row,
     SensitivityTable,
@@ -64,13 +65,13 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
     prediction (``found``: its ``qpipe.search``, as its manifest records it), or, for a uniform
     int4/int8 recipe, the table with every unit in its format."""
     if "predicted_damage" in found:
-        row.search = {"predicted_kl": float(found["predicted_damage"]),
-                      "predicted_weight_bytes": int(found.get("weight_bytes") or 0),
-                      "basis": f"searched: {found.get('how', '?')}"}
+        row.search = Prediction(predicted_kl=float(found["predicted_damage"]),
+                                predicted_weight_bytes=int(found.get("weight_bytes") or 0),
+                                basis=f"searched: {found.get('how', '?')}")
         return
     table = next((t for t in tables if row.recipe in t.formats), None)
     if table is not None:
         size, damage = table.uniform(row.recipe)
-        row.search = {"predicted_kl": damage, "predicted_weight_bytes": size,
-                      "basis": f"every unit at {row.recipe} in the sensitivity table "
-                               "(round-to-nearest)"}
+        row.search = Prediction(predicted_kl=damage, predicted_weight_bytes=size,
+                                basis=f"every unit at {row.recipe} in the sensitivity table "
+                                      "(round-to-nearest)")

@@ -15,8 +15,6 @@ A fold over typed artifacts (nothing is re-measured, no model file or recipe is 
 
 from __future__ import annotations
 
-from typing import Any
-
 from pipeline.core import hardware
 from pipeline.core.artifacts import (
     BaselineRecord,
@@ -26,6 +24,7 @@ from pipeline.core.artifacts import (
     EvalFailure,
     Manifest,
     PlanTarget,
+    Price,
     RecoverySummary,
     Row,
     manifests,
@@ -111,7 +110,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     # necessarily this machine's (a comparison run on a cluster's CPU driver node)
     measured_on = reference[1].hardware.get("key", "") if reference else prof.key()
     cost_target = cost_target or CostTarget()
-    prices: dict[str, dict[str, Any]] = {}
+    prices: dict[str, Price] = {}
     workload, load_point, sources = "", None, {}
     measurement: dict[str, str] = {}
     traffic_of = traffic(summaries, identities[BASELINE])
@@ -192,7 +191,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             ranked = row.model_copy(update={
                 f: {} for f in ("capacity", "rate_capacity")
                 if getattr(row, f).get("other_objective")})
-            row.cost = cost.figures(ranked, row.price["price_per_hour"], cost_target)
+            row.cost = cost.figures(ranked, row.price.price_per_hour, cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       plan_target=target, cost_target=cost_target, price=priced,

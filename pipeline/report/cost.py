@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import BenchSummary, CostTarget, Row
+from pipeline.core.artifacts import BenchSummary, CostTarget, Price, Row
 from pipeline.plan import capacity
 from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.serve.settings import EngineSettings
@@ -35,12 +35,12 @@ def devices_of(summary: BenchSummary) -> dict[str, Any]:
                                     visible="")
 
 
-def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
+def price_of(target: CostTarget, devices: dict[str, Any]) -> Price:
     """The hourly price of what one server used (``devices``), where it comes from, and
     whether it is an example figure (every price the user did not set)."""
     if target.price_per_hour is not None:
-        return {"price_per_hour": target.price_per_hour, "example": False,
-                "source": "PRICE_PER_HOUR / the campaign's cost.price_per_hour"}
+        return Price(price_per_hour=target.price_per_hour, example=False,
+                     source="PRICE_PER_HOUR / the campaign's cost.price_per_hour")
     if devices.get("unit") == "gpu":
         # a slice is priced as its card (the memory it reports is the slice's)
         memory = None if devices.get("mig") else devices.get("memory_mib")
@@ -51,29 +51,26 @@ def price_of(target: CostTarget, devices: dict[str, Any]) -> dict[str, Any]:
             exact = devices.get("mig") or detect_accelerator(kind, memory) is not None
             slice_note = (": a MIG slice, priced as the whole GPU" if devices.get("mig") else
                           "" if exact else f": {kind} has no preset, priced as the nearest")
-            return {"price_per_hour": preset.price_per_hour * count, "example": True,
-                    "source": f"{count} x {preset.name}'s example price_per_hour "
-                              f"(configs/accelerators{slice_note}; TP x PP GPUs per server; "
-                              "set yours: PRICE_PER_HOUR=)"}
+            return Price(price_per_hour=preset.price_per_hour * count, example=True,
+                         source=f"{count} x {preset.name}'s example price_per_hour "
+                                f"(configs/accelerators{slice_note}; TP x PP GPUs per server; "
+                                "set yours: PRICE_PER_HOUR=)")
     host = devices.get("kind", "host")
-    return {"price_per_hour": target.host_price_per_hour, "example": True,
-            "source": f"the campaign's cost.host_price_per_hour for one {host} (an example "
-                      "figure, set yours: PRICE_PER_HOUR=)"}
+    return Price(price_per_hour=target.host_price_per_hour, example=True,
+                 source=f"the campaign's cost.host_price_per_hour for one {host} (an example "
+                        "figure, set yours: PRICE_PER_HOUR=)")
 
 
-def price_basis(priced: dict[str, Any]) -> str:
+def price_basis(priced: Price | None) -> str:
     """``example`` (a price the user did not set), ``set``, or "" where there is no price."""
-    if not priced:
-        return ""
-    return "example" if priced.get("example", True) else "set"
+    return priced.basis if priced is not None else ""
 
 
-def price_text(priced: dict[str, Any]) -> str:
+def price_text(priced: Price | None) -> str:
     """``$0.1/h example price`` or ``$7/h``: a price never shown without saying whose."""
-    value = priced.get("price_per_hour")
-    if value is None:
+    if priced is None:
         return "no price"
-    return f"${value:g}/h" + (" example price" if price_basis(priced) == "example" else "")
+    return f"${priced.price_per_hour:g}/h" + (" example price" if priced.example else "")
 
 
 def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> float:

@@ -116,9 +116,9 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
                           "gate": row.gate_status if row.name != BASELINE else "-"}
             if row.eval_backend:
                 child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
-            if row.price:  # a cost figure never without whose price it is
+            if row.price is not None:  # a cost figure never without whose price it is
                 child_tags["price_basis"] = price_basis(row.price)
-                child_tags["price_source"] = str(row.price.get("source", ""))[:500]
+                child_tags["price_source"] = row.price.source[:500]
             with mlflow.start_run(run_name=f"variant:{row.name}", nested=True,
                                   tags=child_tags) as child:
                 mlflow.log_params(_child_params(comparison, row))

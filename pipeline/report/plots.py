@@ -229,8 +229,8 @@ def plot_size(comparison: Comparison) -> tuple[str, str]:
         measured = row.divergence.get("kl_div_mean")
         if measured is not None and row.name != BASELINE:
             right.scatter([mb], [measured], color=color, label=f"{row.name} measured")
-        if row.search:
-            right.scatter([mb], [row.search["predicted_kl"]], facecolors="none",
+        if row.search is not None:
+            right.scatter([mb], [row.search.predicted_kl], facecolors="none",
                           edgecolors=color, s=70, label=f"{row.name} predicted")
     left.set_xlabel("weights (MB, measured on disk)")
     left.set_ylabel(f"recovery % ({suite or 'no suite'}, 95% interval)")

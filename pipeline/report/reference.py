@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.artifacts import BenchSummary, CostTarget, ModelBench, Row
+from pipeline.core.artifacts import BenchSummary, CostTarget, ModelBench, Price, Row
 from pipeline.core.variant import BASELINE
 from pipeline.report import cost, crossover
 
@@ -71,7 +71,7 @@ def capacity_of(entry: ModelBench, by: str = "concurrency") -> dict[str, Any]:
 
 
 def newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSummary]],
-                     hardware_key: str, prices: dict[str, dict[str, Any]],
+                     hardware_key: str, prices: dict[str, Price],
                      target: CostTarget) -> None:
     """A capacity search made in another run on the compared hardware (``make bench
     WORKLOAD=capacity``): an absolute figure, shown with the run it comes from and priced on

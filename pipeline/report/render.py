@@ -193,8 +193,8 @@ def capacity_lines(comparison: Comparison) -> list[str]:
                    f"{rated['objective']}{basis} ({rated.get('traffic', 'open loop')}); users "
                    f"@objective assumes {searched.get('traffic', 'a closed loop')}; each cost is "
                    "at its own search's capacity")
-    sources = {(price_text(r.price), r.price.get("source", "?")) for r in comparison.rows
-               if r.price}
+    sources = {(price_text(r.price), r.price.source or "?") for r in comparison.rows
+               if r.price is not None}
     for label, source in sorted(sources):
         who = "" if len(sources) == 1 else " (" + ", ".join(
             r.name for r in comparison.rows if r.price and price_text(r.price) == label) + ")"
@@ -226,15 +226,15 @@ def search_lines(comparison: Comparison) -> list[str]:
     model on the held-out text) KL, per variant that has a prediction."""
     out = []
     for row in comparison.rows:
-        if not row.search:
+        if row.search is None:
             continue
-        predicted = row.search["predicted_kl"]
+        predicted = row.search.predicted_kl
         measured = row.divergence.get("kl_div_mean")
         tail = (f"measured {measured:.4f} on the held-out text (the whole model, emulated) = "
                 f"{measured / predicted:.2f}x the prediction" if measured is not None and
                 predicted > 0 else "not measured (make eval runs the held-out check)")
         out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
-                   f"summed; {row.search['basis']}), {tail}")
+                   f"summed; {row.search.basis}), {tail}")
     if out:
         out.insert(0, "precision search, additivity checked: the search predicts a recipe's "
                    "damage as the sum of each unit's damage when quantized alone")
@@ -323,8 +323,8 @@ def csv_text(comparison: Comparison) -> str:
             tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
             "measurement": row.measurement, "comparable": row.comparable,
             "kl_div_mean": row.divergence.get("kl_div_mean"),
-            "predicted_kl": row.search.get("predicted_kl"),
-            "price_per_hour": row.price.get("price_per_hour"),
+            "predicted_kl": row.search.predicted_kl if row.search else None,
+            "price_per_hour": row.price.price_per_hour if row.price else None,
             "price_basis": price_basis(row.price)}
         for key in CSV_FIELDS:
             for source in (h, row.capacity, row.rate_capacity, row.cost):
