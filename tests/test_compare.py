@@ -16,6 +16,7 @@ from pipeline.core.artifacts import (
     Comparison,
     CostTarget,
     ModelBench,
+    PlanFigures,
     PlanTarget,
     Prediction,
     Price,
@@ -29,6 +30,13 @@ from pipeline.plan import capacity
 from pipeline.report import compare, cost, placement, plots, reference
 from pipeline.report import render as report
 from pipeline.report.recommend import compared, recommend
+
+
+def planned(paged: int, worst: int = 0) -> PlanFigures:
+    """A plan whose concurrency figures are ``paged`` and ``worst`` (the rest zero)."""
+    zero = {name: 0 for name in PlanFigures.model_fields}
+    return PlanFigures(**{**zero, "planned_max_concurrency_paged": paged,
+                          "planned_max_concurrency_worst_case": worst})
 
 
 def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
@@ -53,7 +61,7 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
                                         recovery={"acc,none": {"recovery_pct": recovery,
                                                                "ci_low": low,
                                                                "ci_high": recovery + 1.5}})}
-    row.plan = {"planned_max_concurrency_paged": 40, "planned_max_concurrency_worst_case": 10}
+    row.plan = planned(40, 10)
     return row
 
 
@@ -119,7 +127,7 @@ def test_holms_family_is_the_variants_that_pass_their_gates() -> None:
 
 def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None:
     a, b = _row("fp8", 1.5, gate.PASS), _row("int4", 1.2, gate.PASS)
-    b.plan = {"planned_max_concurrency_paged": 90, "planned_max_concurrency_worst_case": 20}
+    b.plan = planned(90, 20)
     assert recommend([_baseline(), a, b], "capacity")[0] == "int4"
     assert recommend([_baseline(), a, b], "speed")[0] == "fp8"
     with pytest.raises(ConfigError, match="objective 'latency'"):
@@ -401,9 +409,9 @@ def test_a_mixed_precision_variant_is_planned_from_its_measured_bytes():
                          precision=precision, weight_bytes=int(269e6 * ratio), weight_ratio=ratio)
         placement.apply_plan(rows[name], config, target)
     dense, mix = rows["dense"].plan, rows["mix"].plan
-    assert mix["planned_weight_bytes"] == int(dense["planned_weight_bytes"] * 0.45)
-    assert mix["planned_kv_budget_bytes"] - dense["planned_kv_budget_bytes"] == pytest.approx(
-        dense["planned_weight_bytes"] * 0.55, abs=2)
+    assert mix.planned_weight_bytes == int(dense.planned_weight_bytes * 0.45)
+    assert mix.planned_kv_budget_bytes - dense.planned_kv_budget_bytes == pytest.approx(
+        dense.planned_weight_bytes * 0.55, abs=2)
     assert any("mixed precision" in n for n in rows["mix"].notes)
 
 
@@ -448,8 +456,11 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
     assert base.weight_bytes == 269_000_000 and fp8.weight_ratio == pytest.approx(163 / 269)
     assert fp8.kv_dtype == "fp8" and fp8.search.predicted_kl == 0.5
     # an FP8 KV cache: half the bytes per token, and the weights saved hold more tokens too
-    assert fp8.plan[capacity.KV_BYTES_PER_TOKEN] * 2 == base.plan[capacity.KV_BYTES_PER_TOKEN]
-    assert fp8.plan[capacity.KV_CACHE_TOKENS] > 2 * base.plan[capacity.KV_CACHE_TOKENS]
+    assert fp8.plan.planned_kv_bytes_per_token * 2 == base.plan.planned_kv_bytes_per_token
+    assert fp8.plan.planned_kv_cache_tokens > 2 * base.plan.planned_kv_cache_tokens
+    # the row's plan carries every figure the planner reports, under its names
+    assert set(fp8.plan.model_dump()) == set(capacity.plan_capacity(config, placement.plan_settings(
+        PlanTarget(gpu="h100-80gb"), "bf16", 128)).metrics())
     assert not (workspace / "gone").exists()
     # `qpipe compare BASELINE=tiny` finds the baseline by its record, resolving nothing
     from pipeline.report import stage

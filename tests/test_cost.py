@@ -19,7 +19,9 @@ def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = Non
                     tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": tps * 1.25,
                     tracking.SLO_REQUESTS_PER_S: rps}
     if planned:
-        row.plan = {"planned_max_concurrency_paged": planned}
+        from tests.test_compare import planned as plan_of
+
+        row.plan = plan_of(planned)
     return row
 
 

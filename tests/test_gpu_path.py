@@ -236,12 +236,12 @@ def test_the_comparisons_plan_follows_the_servers_utilisation_and_parallelism() 
            "gpu_memory_utilization": 0.9}
     four = row()
     placement.apply_plan(four, config, target, tp4)
-    paged = four.plan[capacity.MAX_CONCURRENCY_PAGED]
+    paged = four.plan.planned_max_concurrency_paged
     assert paged > 0 and not four.notes
     half = {**tp4, "gpu_memory_utilization": 0.5}
     halved = row()
     placement.apply_plan(halved, config, target, half)
-    assert 0 < halved.plan[capacity.MAX_CONCURRENCY_PAGED] < paged / 2
+    assert 0 < halved.plan.planned_max_concurrency_paged < paged / 2
     assert placement.served_as(half) == ("planned as the servers were started: TP 4 x PP 1: "
                                         "weights and KV heads split over 4 devices, 50% of "
                                         "each device's memory")

@@ -411,6 +411,21 @@ class Price(BaseModel):
         return "example" if self.example else "set"
 
 
+class PlanFigures(BaseModel):
+    """The capacity planner's figures for one row at the comparison's plan target, under the
+    planner's own names (``qpipe plan --json``, the variant runs' MLflow metrics)."""
+
+    planned_kv_bytes_per_token: float
+    planned_kv_bytes_per_request: float
+    planned_weight_bytes: int
+    planned_kv_budget_bytes: int
+    planned_kv_cache_tokens: int
+    planned_max_concurrency_worst_case: int
+    planned_max_concurrency_paged: int
+    planned_max_concurrency_paged_shared_prefix: int
+    planned_vllm_max_concurrency: float
+
+
 class Prediction(BaseModel):
     """What the precision search's sensitivity model predicted for a variant: its held-out
     KL and weight bytes, and from what (its searched recipe, or the table with every unit in
@@ -434,7 +449,7 @@ class Row(BaseModel):
     weight_bytes: int
     weight_ratio: float  # weight bytes / the baseline's
     quantize_seconds: float | None = None
-    plan: dict[str, Any] = Field(default_factory=dict)
+    plan: PlanFigures | None = None  # None: not planned (the note says why)
     serving: str = "not measured"  # ok | unsupported | failed | not measured
     serving_reason: str = ""
     serving_log: str = ""
@@ -463,7 +478,7 @@ class Row(BaseModel):
     comparable: bool = True  # measured in the comparison's reference run: same baseline run,
     # workload and load point as every other comparable row
 
-    @field_validator("price", "search", mode="before")
+    @field_validator("plan", "price", "search", mode="before")
     @classmethod
     def _none_for_empty(cls, value: Any) -> Any:
         return None if value == {} else value  # as comparisons before these were typed say

@@ -16,7 +16,6 @@ from typing import Any
 
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary, CostTarget, Price, Row
-from pipeline.plan import capacity
 from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.serve.settings import EngineSettings
 
@@ -121,7 +120,7 @@ def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, An
         out.update(_priced(rate, price_per_hour, "rate_"))
     if target.target_users and users:
         out["machines_for_target_users"] = math.ceil(target.target_users / users)
-        planned = row.plan.get(capacity.MAX_CONCURRENCY_PAGED)
+        planned = row.plan.planned_max_concurrency_paged if row.plan else None
         if planned:
             out["planned_devices_for_target_users_kv"] = math.ceil(target.target_users / planned)
     rps, source = (max_rate, "the arrival-rate search (open loop)") if max_rate else (

@@ -38,7 +38,8 @@ def child_metrics(row: Row) -> dict[str, float]:
             m[key] = row.kv[key]
     if row.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
         m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES]
-    m.update(row.plan)  # at the campaign's plan target (the parent's plan_* params)
+    if row.plan is not None:  # at the campaign's plan target (the parent's plan_* params)
+        m.update(row.plan.model_dump())
     if row.serving == "ok":
         m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
         if row.peak_memory_bytes:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.core.artifacts import PlanTarget, Row
+from pipeline.core.artifacts import PlanFigures, PlanTarget, Row
 from pipeline.core.errors import PlanError
 from pipeline.core.hardware import Profile
 from pipeline.plan import capacity
@@ -104,8 +104,7 @@ def apply_plan(row: Row, config: dict[str, Any], target: PlanTarget,
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")
         return
-    row.plan = plan.metrics()  # the planner's own names (planned_*), as `qpipe plan --json`
-    row.plan[capacity.WEIGHT_BYTES] = weights
+    row.plan = PlanFigures.model_validate({**plan.metrics(), capacity.WEIGHT_BYTES: weights})
 
 
 def _plan_mixed(row: Row, config: dict[str, Any], target: PlanTarget,

@@ -9,7 +9,6 @@ from typing import Any
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison
 from pipeline.core.variant import BASELINE
-from pipeline.plan import capacity
 
 
 # --- plots -------------------------------------------------------------------------------------
@@ -89,8 +88,9 @@ def plot_memory(comparison: Comparison) -> tuple[str, str]:
     left.set_ylabel("weight memory (MB, measured on disk)")
     left.set_title("Weights")
     t = comparison.plan_target
-    paged = [r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0) for r in comparison.rows]
-    worst = [r.plan.get(capacity.MAX_CONCURRENCY_WORST_CASE, 0) for r in comparison.rows]
+    paged = [r.plan.planned_max_concurrency_paged if r.plan else 0 for r in comparison.rows]
+    worst = [r.plan.planned_max_concurrency_worst_case if r.plan else 0
+             for r in comparison.rows]
     xs = range(len(names))
     right.bar([x - 0.2 for x in xs], paged, width=0.4, label=f"paged ({t.context:,} tokens)")
     right.bar([x + 0.2 for x in xs], worst, width=0.4,

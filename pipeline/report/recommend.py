@@ -10,7 +10,6 @@ from pipeline.core.campaigns import OBJECTIVES
 from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
-from pipeline.plan import capacity
 from pipeline.report import cost
 from pipeline.report.cost import USD_PER_MTOK, price_text
 
@@ -118,13 +117,13 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     elif objective == "cost":  # the cost each is shown to stay under
         best = min(eligible, key=lambda r: r.cost[USD_PER_MTOK + "_max"])
     else:
-        best = max(eligible, key=lambda r: (r.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0),
+        best = max(eligible, key=lambda r: (r.plan.planned_max_concurrency_paged if r.plan else 0,
                                             -r.weight_bytes))
     reason = (f"{best.name} (objective {objective}: {OBJECTIVE_TEXT[objective]}): "
               f"{speed_text(best)} the baseline's throughput ({SPEED_BASIS}), "
               f"{best.weight_ratio:.2f}x its weight memory")
     if best.plan:
-        reason += (f", {best.plan.get(capacity.MAX_CONCURRENCY_PAGED, 0):,} concurrent "
+        reason += (f", {best.plan.planned_max_concurrency_paged:,} concurrent "
                    "requests planned")
     if USD_PER_MTOK in best.cost:
         reason += (f", {cost.range_text(best.cost)} per million output tokens at "

@@ -101,8 +101,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     cells = []
     for row in comparison.rows:
         plan = row.plan
-        conc = (f"{plan[capacity.MAX_CONCURRENCY_PAGED]:,}/"
-                f"{plan[capacity.MAX_CONCURRENCY_WORST_CASE]:,}" if plan else "-")
+        conc = (f"{plan.planned_max_concurrency_paged:,}/"
+                f"{plan.planned_max_concurrency_worst_case:,}" if plan else "-")
         gate_cell = "-" if row.name == BASELINE else row.gate_status
         if row.threshold is not None and row.name != BASELINE:
             gate_cell += f" (>= {row.threshold:g}%)"
@@ -312,9 +312,10 @@ def csv_text(comparison: Comparison) -> str:
             "max_concurrency": row.kv.get(tracking.MAX_CONCURRENCY),
             "served_concurrency_at_context": row.served_concurrency(
                 comparison.plan_target.context),
-            capacity.MAX_CONCURRENCY_PAGED: row.plan.get(capacity.MAX_CONCURRENCY_PAGED),
-            capacity.MAX_CONCURRENCY_WORST_CASE: row.plan.get(
-                capacity.MAX_CONCURRENCY_WORST_CASE),
+            capacity.MAX_CONCURRENCY_PAGED:
+                row.plan.planned_max_concurrency_paged if row.plan else None,
+            capacity.MAX_CONCURRENCY_WORST_CASE:
+                row.plan.planned_max_concurrency_worst_case if row.plan else None,
             "serving_status": row.serving, "eval_backend": row.eval_backend or "",
             "gate": "" if row.name == BASELINE else row.gate_status,
             "threshold_pct": row.threshold, "engine_scheme": row.engine.get("scheme", ""),
