@@ -21,6 +21,7 @@ from pipeline.core.artifacts import (
     Prediction,
     Price,
     Row,
+    SuiteFigure,
     TaskEntry,
     WorkloadFigures,
 )
@@ -55,8 +56,8 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
                         tracking.TTFT_MS_P50: 100.0, tracking.TTFT_MS_P99: 150.0,
                         tracking.ITL_MS_P50: 10.0, tracking.ITL_MS_P99: 12.0}
         row.sweep = {1: dict(row.headline), 4: dict(row.headline)}
-    row.suites = {"app": {"recovery_pct": recovery, "ci_low": low, "ci_high": recovery + 1.5,
-                          "tasks": ["app_facts"], "backend": backend}}
+    row.suites = {"app": SuiteFigure(recovery_pct=recovery, ci_low=low, ci_high=recovery + 1.5,
+                                     tasks=["app_facts"], backend=backend)}
     row.tasks = {"app_facts": TaskEntry(suite="app", backend=backend, primary_metric="acc,none",
                                         recovery={"acc,none": {"recovery_pct": recovery,
                                                                "ci_low": low,

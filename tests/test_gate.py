@@ -85,7 +85,7 @@ def test_suite_level_judges_the_mover_interval_and_no_task_hides_another() -> No
     entries["up"] = _entry(*_items(100, 50, gained=20), chance=0.25)  # 140%
     entries["down"] = _entry(*_items(200, 190, lost=30))  # 84.2%
     figure = gate.suite_figures(entries)["app"]
-    assert figure["recovery_pct"] > 96  # the mean alone would look fine
+    assert figure.recovery_pct > 96  # the mean alone would look fine
     verdict = gate.judge(entries, "int4", 96)
     assert verdict.status == gate.FAIL
     assert "task down 84.2%" in verdict.failed[0] and "not averaged away" in verdict.failed[0]
@@ -208,7 +208,7 @@ def test_a_suite_does_not_pass_on_other_tasks_gains_over_one_tasks_real_loss() -
                "c": _entry(*_items(100, 80, lost=6), chance=0.25)}
     c = entries["c"].primary()
     assert c["lost"] > c["gained"] and c["recovery_pct"] == pytest.approx(92.5)
-    assert gate.suite_figures(entries)["app"]["ci_low"] >= 96  # the mean clears it
+    assert gate.suite_figures(entries)["app"].ci_low >= 96  # the mean clears it
     verdict = gate.judge(entries, "int4", 96)
     assert verdict.status == gate.INCONCLUSIVE and not verdict.ok, verdict
     assert "task c 92.5% (6 lost, 0 gained)" in verdict.inconclusive[0], verdict

@@ -411,6 +411,24 @@ class Price(BaseModel):
         return "example" if self.example else "set"
 
 
+class SuiteFigure(BaseModel):
+    """A suite's recovery on one variant: the mean of its meaningful tasks' recoveries with its
+    interval (None: no task above chance), and the backend its tasks were scored on."""
+
+    recovery_pct: float | None
+    ci_low: float | None
+    ci_high: float | None
+    tasks: list[str] = Field(default_factory=list)  # the tasks that entered the mean
+    skipped: list[str] = Field(default_factory=list)  # not meaningful (or a zero baseline)
+    items: int = 0  # items of the tasks that entered the mean
+    certifiable_pct: float | None = None  # the best lower end these tasks could give together
+    backend: str = SERVED  # emulated where any of its tasks was
+
+    @property
+    def meaningful(self) -> bool:
+        return self.recovery_pct is not None
+
+
 class PlanFigures(BaseModel):
     """The capacity planner's figures for one row at the comparison's plan target, under the
     planner's own names (``qpipe plan --json``, the variant runs' MLflow metrics)."""
@@ -465,7 +483,7 @@ class Row(BaseModel):
     peak_memory_bytes: int = 0
     prefix: dict[str, float] = Field(default_factory=dict)
     eval_backend: str | None = None  # served | emulated | None (not evaluated)
-    suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    suites: dict[str, SuiteFigure] = Field(default_factory=dict)
     tasks: dict[str, TaskEntry] = Field(default_factory=dict)
     divergence: dict[str, float] = Field(default_factory=dict)
     search: Prediction | None = None  # the precision search's prediction for this variant

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pipeline.core import log as qlog
 from pipeline.core import paths
@@ -38,6 +37,7 @@ from pipeline.core.artifacts import (
     SERVED,
     EvalFailure,
     RecoverySummary,
+    SuiteFigure,
     TaskEntry,
     manifests,
 )
@@ -140,8 +140,8 @@ def current_tasks(summary: RecoverySummary | None, identity: str,
     return current, stale
 
 
-def suite_figures(entries: Entries) -> dict[str, dict[str, Any]]:
-    """Suite -> its figure (``SuiteRecovery.as_dict()`` + backend), from current task entries."""
+def suite_figures(entries: Entries) -> dict[str, SuiteFigure]:
+    """Suite -> its figure, from current task entries."""
     groups: dict[str, Entries] = {}
     for name, entry in entries.items():
         if entry.primary() is not None:
@@ -149,9 +149,8 @@ def suite_figures(entries: Entries) -> dict[str, dict[str, Any]]:
     out = {}
     for suite, members in sorted(groups.items()):
         fig = recovery.suite_from_tasks({n: e.primary() for n, e in members.items()}).as_dict()
-        fig["backend"] = EMULATED if any(e.backend == EMULATED for e in members.values()) \
-            else SERVED
-        out[suite] = fig
+        backend = EMULATED if any(e.backend == EMULATED for e in members.values()) else SERVED
+        out[suite] = SuiteFigure(**fig, backend=backend)
     return out
 
 
@@ -214,14 +213,14 @@ def _judge_tasks(entries: Entries, threshold: float,
 def _judge_suites(entries: Entries, threshold: float,
                   out: dict[str, list[str]]) -> None:
     for suite, fig in suite_figures(entries).items():
-        mark = _mark(fig.get("backend"))
-        if fig.get("recovery_pct") is None:
+        mark = _mark(fig.backend)
+        if fig.recovery_pct is None:
             out["skipped"].append(f"suite {suite}{mark}: not meaningful (no task above chance)")
             continue
-        line = (f"suite {suite}{mark}: recovery {fig['recovery_pct']:.1f}% [95% CI "
-                f"{fig['ci_low']:.1f}, {fig['ci_high']:.1f}] over {', '.join(fig['tasks'])} "
-                f"({fig['items']} items)")
-        sinking = [t for t in fig["tasks"] if entries[t].primary()["ci_high"] < threshold]
+        line = (f"suite {suite}{mark}: recovery {fig.recovery_pct:.1f}% [95% CI "
+                f"{fig.ci_low:.1f}, {fig.ci_high:.1f}] over {', '.join(fig.tasks)} "
+                f"({fig.items} items)")
+        sinking = [t for t in fig.tasks if entries[t].primary()["ci_high"] < threshold]
         if sinking:
             lows = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% [upper end "
                              f"{entries[t].primary()['ci_high']:.1f}]" for t in sinking)
@@ -231,12 +230,12 @@ def _judge_suites(entries: Entries, threshold: float,
                    "the baseline, and this task is shown not to")
             out["failed"].append(f"{line}; task {lows} < threshold {threshold:g}: {why}")
             continue
-        scores = [entries[t].primary() for t in fig["tasks"]]
+        scores = [entries[t].primary() for t in fig.tasks]
         shares = [(int(r["n"]), float(r["baseline_score"])) for r in scores]
-        certify = _certify(fig["items"], fig.get("certifiable_pct"), threshold, shares)
-        hidden = [t for t, r in zip(fig["tasks"], scores, strict=True)
+        certify = _certify(fig.items, fig.certifiable_pct, threshold, shares)
+        hidden = [t for t, r in zip(fig.tasks, scores, strict=True)
                   if r["recovery_pct"] < threshold and r["lost"] > r["gained"]]
-        if hidden and fig["ci_low"] >= threshold:
+        if hidden and fig.ci_low >= threshold:
             losses = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% ("
                                f"{entries[t].primary()['lost']} lost, "
                                f"{entries[t].primary()['gained']} gained)" for t in hidden)
@@ -245,7 +244,7 @@ def _judge_suites(entries: Entries, threshold: float,
                 "below the threshold, with more items lost than gained: the other tasks' gains "
                 "do not pass it (more items on that task, or GATE_LEVEL=task, settle it)")
             continue
-        _sort(line, fig["ci_low"], fig["ci_high"], threshold, out, certify)
+        _sort(line, fig.ci_low, fig.ci_high, threshold, out, certify)
 
 
 def judge(entries: Entries, recipe: str, threshold: float,

@@ -51,11 +51,11 @@ def child_metrics(row: Row) -> dict[str, float]:
         m.update({k: float(v) for k, v in numbers.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
     for suite, fig in row.suites.items():
-        if fig.get("recovery_pct") is not None:
-            m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig["recovery_pct"]
-            if fig.get("ci_low") is not None:
-                m[f"suite_recovery_pct_ci_low.{suite}"] = fig["ci_low"]
-                m[f"suite_recovery_pct_ci_high.{suite}"] = fig["ci_high"]
+        if fig.recovery_pct is not None:
+            m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig.recovery_pct
+            if fig.ci_low is not None and fig.ci_high is not None:
+                m[f"suite_recovery_pct_ci_low.{suite}"] = fig.ci_low
+                m[f"suite_recovery_pct_ci_high.{suite}"] = fig.ci_high
     for key in (tracking.KL_DIV_MEAN, tracking.TOP1_AGREEMENT, tracking.PERPLEXITY):
         if key in row.divergence:
             m[key] = row.divergence[key]

@@ -34,8 +34,8 @@ def _pyplot() -> Any:
 
 def _primary_suite(comparison: Comparison) -> str | None:
     suites = comparison.suites
-    meaningful = [s for s in suites if any(r.suites.get(s, {}).get("recovery_pct") is not None
-                                           for r in comparison.rows)]
+    meaningful = [s for s in suites if any(r.suites[s].meaningful for r in comparison.rows
+                                           if s in r.suites)]
     return meaningful[0] if meaningful else None
 
 
@@ -46,15 +46,15 @@ def plot_pareto(comparison: Comparison) -> tuple[str, str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = 0
     for row in comparison.rows:
-        fig_s = row.suites.get(suite or "", {})
+        fig_s = row.suites.get(suite or "")
         if row.name == BASELINE:
             if row.headline:
                 ax.scatter([1.0], [100.0], marker="*", s=120, color="black", zorder=3)
                 ax.annotate("baseline", (1.0, 100.0), textcoords="offset points", xytext=(6, 4))
             continue
-        if row.speedup is None or fig_s.get("recovery_pct") is None:
+        if row.speedup is None or fig_s is None or fig_s.recovery_pct is None:
             continue
-        y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
+        y, low, high = fig_s.recovery_pct, fig_s.ci_low, fig_s.ci_high
         x = row.speedup
         x_low = row.headline.get(tracking.SPEEDUP_CI_LOW, x)
         x_high = row.headline.get(tracking.SPEEDUP_CI_HIGH, x)
@@ -62,7 +62,7 @@ def plot_pareto(comparison: Comparison) -> tuple[str, str]:
         ax.errorbar([x], [y], yerr=[[y - low], [high - y]], xerr=[[x - x_low], [x_high - x]],
                     fmt="o" if row.comparable else "x", capsize=4, alpha=1 if row.comparable
                     else 0.5, label=f"{row.name} (gate {row.gate_status}{other})")
-        label = row.name + (" [emulated]" if fig_s.get("backend") == EMULATED else "") + (
+        label = row.name + (" [emulated]" if fig_s.backend == EMULATED else "") + (
             " (other run)" if not row.comparable else "")
         ax.annotate(label, (row.speedup, y), textcoords="offset points", xytext=(6, 4))
         drawn += 1
@@ -218,12 +218,12 @@ def plot_size(comparison: Comparison) -> tuple[str, str]:
     for i, row in enumerate(comparison.rows):
         mb = row.weight_bytes / 1e6
         color = colors[i % len(colors)]
-        fig_s = row.suites.get(suite or "", {})
+        fig_s = row.suites.get(suite or "")
         if row.name == BASELINE:
             left.scatter([mb], [100.0], marker="*", s=120, color="black", zorder=3)
             left.annotate("baseline", (mb, 100.0), textcoords="offset points", xytext=(-30, 8))
-        elif fig_s.get("recovery_pct") is not None:
-            y, low, high = fig_s["recovery_pct"], fig_s["ci_low"], fig_s["ci_high"]
+        elif fig_s is not None and fig_s.recovery_pct is not None:
+            y, low, high = fig_s.recovery_pct, fig_s.ci_low, fig_s.ci_high
             left.errorbar([mb], [y], yerr=[[y - low], [high - y]], fmt="o", capsize=4,
                           color=color, label=row.name)
         measured = row.divergence.get("kl_div_mean")

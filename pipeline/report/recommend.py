@@ -29,8 +29,8 @@ OBJECTIVE_TEXT = {
 
 
 def _suites_text(row: Row) -> str:
-    return ", ".join(f"{s} {v['recovery_pct']:.1f}% [{v['ci_low']:.1f}, {v['ci_high']:.1f}]"
-                     for s, v in sorted(row.suites.items()) if v.get("recovery_pct") is not None)
+    return ", ".join(f"{s} {v.recovery_pct:.1f}% [{v.ci_low:.1f}, {v.ci_high:.1f}]"
+                     for s, v in sorted(row.suites.items()) if v.recovery_pct is not None)
 
 
 def speed_text(row: Row) -> str:

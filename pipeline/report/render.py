@@ -41,12 +41,12 @@ def _spread(stats: dict[str, float], metric: str, fmt: str = "{:.1f}") -> str:
 
 def _suite_cell(row: Row, suite: str) -> str:
     fig = row.suites.get(suite)
-    if not fig:
+    if fig is None:
         return "-"
-    if fig.get("recovery_pct") is None:
+    if fig.recovery_pct is None:
         return "not meaningful"
-    mark = " [emulated]" if fig.get("backend") == EMULATED else ""
-    return f"{fig['recovery_pct']:.1f}% [{fig['ci_low']:.1f}, {fig['ci_high']:.1f}]{mark}"
+    mark = " [emulated]" if fig.backend == EMULATED else ""
+    return f"{fig.recovery_pct:.1f}% [{fig.ci_low:.1f}, {fig.ci_high:.1f}]{mark}"
 
 
 def _speed_cell(row: Row) -> str:
@@ -332,10 +332,10 @@ def csv_text(comparison: Comparison) -> str:
                 if key in source and key not in record:
                     record[key] = source[key]
         for s in suites:
-            fig = row.suites.get(s, {})
-            record[f"recovery_pct.{s}"] = fig.get("recovery_pct")
-            record[f"recovery_pct.{s}_ci_low"] = fig.get("ci_low")
-            record[f"recovery_pct.{s}_ci_high"] = fig.get("ci_high")
+            fig = row.suites.get(s)
+            record[f"recovery_pct.{s}"] = fig.recovery_pct if fig else None
+            record[f"recovery_pct.{s}_ci_low"] = fig.ci_low if fig else None
+            record[f"recovery_pct.{s}_ci_high"] = fig.ci_high if fig else None
         writer.writerow(record)
     return buf.getvalue()
 
