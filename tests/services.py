@@ -374,6 +374,7 @@ VOLATILE_TAGS = frozenset({
     "mlflow.user", "mlflow.source.name", "mlflow.source.type", "mlflow.source.git.commit",
     "mlflow.source.git.branch", "mlflow.source.git.repoURL", "mlflow.gitRepoURL",
     "mlflow.log-model.history", "mlflow.databricks.notebookPath", "qpipe.host",
+    "qpipe.campaign_id",  # one campaign's id: each run of a campaign has its own
 })
 
 
