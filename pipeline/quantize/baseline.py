@@ -20,7 +20,13 @@ from pipeline.core import log as qlog
 from pipeline.core import paths
 from pipeline.core.artifacts import BaselineRecord
 from pipeline.core.errors import BaselineError
-from pipeline.core.fsutil import atomic_dir, check_free_space, read_json, write_json_atomic
+from pipeline.core.fsutil import (
+    atomic_dir,
+    check_free_space,
+    output_error,
+    read_json,
+    write_json_atomic,
+)
 from pipeline.core.settings import DEFAULT_BASELINE, StageSettings, baseline_field
 from pipeline.quantize import checkpoint
 
@@ -67,7 +73,11 @@ def record(baseline: Baseline, specs: tuple[str, ...]) -> BaselineRecord:
         specs=sorted({*kept, *specs, str(baseline.path)}),
         weight_bytes=checkpoint.measure(baseline.path).weight_bytes,
         config=json.loads((baseline.path / "config.json").read_text()))
-    new.write(BaselineRecord.path_of(baseline.name))
+    path = BaselineRecord.path_of(baseline.name)
+    try:
+        new.write(path)
+    except OSError as err:
+        raise output_error(path.parent, err) from None
     return new
 
 
