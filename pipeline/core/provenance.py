@@ -10,6 +10,14 @@ from pathlib import Path
 from pipeline.core import paths
 
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "lm_eval", "mlflow")
+# what a checkpoint's (and a sensitivity scan's) content depends on: part of their cache keys
+CHECKPOINT_LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch",
+                        "accelerate")
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the libraries a checkpoint's or a scan's content depends on."""
+    return {name: metadata.version(name) for name in CHECKPOINT_LIBRARIES}
 
 
 def serve_python() -> Path:

@@ -9,18 +9,16 @@ variant runs on de-compressed weights: this is an emulated figure, not the serve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import hardware, paths
+from pipeline.core import hardware
 from pipeline.core.errors import ConfigError
+from pipeline.core.heldout import HELDOUT, SEQ_LEN, heldout_text, token_stats, windows
 
-HELDOUT = paths.EVALS_DIR / "_heldout" / "heldout.txt"
-SEQ_LEN = 512
 BACKEND = "hf (transformers, de-compressed weights)"
 
 
@@ -46,28 +44,6 @@ class Divergence:
         return asdict(self)
 
 
-def heldout_text(path: Path = HELDOUT) -> str:
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the held-out text ({err.strerror}). Fix: restore "
-                          "it from git, or pass another text file.") from None
-    if len(text.split()) < 50:
-        raise ConfigError(f"{path}: the held-out text has fewer than 50 words. Fix: use a text "
-                          "of at least a few hundred words.")
-    return text
-
-
-def text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def windows(token_ids: list[int], seq_len: int = SEQ_LEN) -> list[list[int]]:
-    """Consecutive windows of at most ``seq_len`` tokens; each predicts its tokens 2..n."""
-    out = [token_ids[i:i + seq_len] for i in range(0, len(token_ids), seq_len)]
-    return [w for w in out if len(w) >= 2]
-
-
 def device() -> str:
     """Where the check runs: the GPU when there is one (minutes for an 8B model on a host CPU
     without bf16 units, and a 70B does not fit in its RAM), else the CPU."""
@@ -91,15 +67,6 @@ def _log_probs(model: Any, ids: list[int]) -> Any:
     with torch.inference_mode():
         logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1).cpu()  # kept for every variant: host memory
-
-
-def token_stats(base_lp: Any, var_lp: Any, targets: Any) -> dict[str, Any]:
-    """Per-position KL(base || var), top-1 agreement and both models' NLL of ``targets``."""
-    kl = (base_lp.exp() * (base_lp - var_lp)).sum(-1)
-    agree = base_lp.argmax(-1) == var_lp.argmax(-1)
-    idx = targets.unsqueeze(-1)
-    return {"kl": kl, "agree": agree, "nll_base": -base_lp.gather(-1, idx).squeeze(-1),
-            "nll_var": -var_lp.gather(-1, idx).squeeze(-1)}
 
 
 def _window_log_probs(model: Any, wins: list[list[int]]) -> list[Any]:

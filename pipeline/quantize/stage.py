@@ -15,7 +15,6 @@ import platform
 import resource
 import shutil
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,13 @@ from pipeline.core import log as qlog
 from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
 from pipeline.core.fsutil import atomic_dir, check_free_space, remove_stale_temp_dirs
+from pipeline.core.provenance import library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
 from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 from pipeline.quantize.settings import QuantizeSettings
 
 log = qlog.get("quantize")
-LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate")
 STAGE = "quantize"
 # How the model is held while llmcompressor calibrates; part of the cache key. On CPUs without
 # bf16 units, float32 matmuls are ~3x faster, and one torch thread avoids a 2-thread OpenMP
@@ -40,10 +39,6 @@ STAGE = "quantize"
 # default, and GPTQ's sums then differ run to run): the same inputs give the same checkpoint.
 METHOD = ("cpu: float32 calibration (bf16 if memory is short), 1 thread; cuda: bf16; "
           "samples in order")
-
-
-def library_versions() -> dict[str, str]:
-    return {name: metadata.version(name) for name in LIBRARIES}
 
 
 def cache_key(base: baselines.Baseline, recipe: recipes.RecipeFile) -> str:

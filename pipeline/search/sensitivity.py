@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.eval.divergence import token_stats
+from pipeline.core.heldout import token_stats
 from pipeline.plan.architecture import Matrix
 from pipeline.plan.capacity import weight_formats
 from pipeline.search.recipe import FORMATS, KEEP

@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import hardware, paths, tracking
+from pipeline.core import hardware, heldout, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
-from pipeline.eval import divergence
+from pipeline.core.provenance import library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
-from pipeline.quantize.stage import library_versions
 from pipeline.search import budget as budgets
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
@@ -59,7 +58,7 @@ def _architecture(base: baselines.Baseline) -> str:
 def _cache_key(base: baselines.Baseline, formats: list[str], text: str, tokens: int,
                fusions: dict[str, list[str]]) -> str:
     payload = {"baseline": base.identity, "formats": formats,
-               "schemes": {f: FORMATS.get(f) for f in formats}, "text": divergence.text_hash(text),
+               "schemes": {f: FORMATS.get(f) for f in formats}, "text": heldout.text_hash(text),
                "tokens": tokens, "fusions": fusions, "libraries": library_versions(),
                "method": METHOD, "device": hardware.torch_device()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -96,7 +95,7 @@ def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
     formats = menus.resolve(settings.scan.formats)
     architecture = _architecture(base)
     fusions, fusion_source = packed_modules(architecture)
-    text = divergence.heldout_text()
+    text = heldout.heldout_text()
     key = _cache_key(base, formats, text, settings.scan.scan_tokens, fusions)
     target = _table_dir(base.name, formats)
     table = SensitivityTable.read(target / SensitivityTable.FILE)
@@ -107,7 +106,7 @@ def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
         return table
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     ids = tokenizer(text, add_special_tokens=True).input_ids[:settings.scan.scan_tokens]
-    windows = divergence.windows(ids)
+    windows = heldout.windows(ids)
     model, dtype = _load(base)
     linears = [name for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear) and name != "lm_head"]
@@ -133,7 +132,7 @@ def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
                             kl_div_mean=d.kl_div_mean, top1_agreement=d.top1_agreement)
                  for d in damages],
         fixed_bytes=baseline_bytes - in_units, baseline_weight_bytes=baseline_bytes,
-        text=str(paths.relative(divergence.HELDOUT)), text_sha256=divergence.text_hash(text),
+        text=str(paths.relative(heldout.HELDOUT)), text_sha256=heldout.text_hash(text),
         tokens=len(ids), method=METHOD, device=hardware.torch_device_name(), dtype=dtype,
         seconds=round(time.monotonic() - started, 1), libraries=library_versions())
     with atomic_dir(target) as tmp:
