@@ -74,7 +74,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("campaign", "pipeline.campaign:CampaignSettings", "pipeline.campaign:run",
           "every stage for every recipe, then compare (make all)",
           "pipeline.core.artifacts:Comparison", target="all"),
-    Stage("compare", "pipeline.report.settings:CompareSettings", "pipeline.report.stage:run",
+    Stage("compare", "pipeline.report.settings:CompareSettings", "pipeline.campaign.compare:run",
           "join the measured stages into one comparison, report and MLflow parent run",
           "pipeline.core.artifacts:Comparison", step=4),
     Stage("calibrate", "pipeline.calibrate.stage:CalibrateSettings",

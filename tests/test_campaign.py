@@ -97,9 +97,10 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
 
 def test_the_command_line_sets_the_objective_and_cost_of_a_campaign() -> None:
     from pipeline.campaign import CampaignSettings, stages
+    from pipeline.core.settings import from_options
 
-    settings = CampaignSettings(slo_ttft_ms=300, slo_itl_ms=80, objective="cost",
-                                cost={"price_per_hour": 1.5, "target_users": 40})
+    settings = from_options(CampaignSettings, slo_ttft_ms=300, slo_itl_ms=80, objective="cost",
+                            price_per_hour=1.5, target_users=40)
     file = settings.file()
     assert file.cost.price_per_hour == 1.5 and file.cost.target_users == 40
     assert file.cost.host_price_per_hour == 0.10  # the file's, not overridden
@@ -111,8 +112,8 @@ def test_the_command_line_sets_the_objective_and_cost_of_a_campaign() -> None:
 def test_quantize_slots_as_memory_holds_on_a_cpu_host_one_on_a_gpu(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from pipeline.campaign.local import slots
     from pipeline.quantize import baseline as baselines
-    from pipeline.quantize.parallel import slots
 
     base = baselines.resolve(str(tiny_model))
     monkeypatch.delenv("QPIPE_QUANTIZE_JOBS", raising=False)
@@ -130,8 +131,8 @@ def test_quantize_slots_as_memory_holds_on_a_cpu_host_one_on_a_gpu(
 
 
 def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Path) -> None:
-    from pipeline.core import jobs
-    from pipeline.quantize.parallel import progress
+    from pipeline.campaign import jobs
+    from pipeline.campaign.local import progress
 
     job = jobs.Job("quantize int8", [], tmp_path / "int8.log")
     job.log.write_text("Preparing cache\n")
@@ -151,16 +152,16 @@ class _Stages:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, bench_error: Exception | None = None
                  ) -> None:
-        from pipeline import campaign
-        from pipeline.core.artifacts import Comparison, PlanTarget
+        from pipeline.campaign import local, runner
+        from pipeline.core.artifacts import Comparison, Failure, PlanTarget
         from pipeline.quantize.baseline import Baseline
 
         self.calls: dict[str, object] = {}
-        monkeypatch.setattr(campaign.baselines, "resolve",
+        monkeypatch.setattr(runner.baselines, "resolve",
                             lambda spec: Baseline("tiny", Path("/nowhere"), spec, "B"))
-        monkeypatch.setattr(campaign, "serve_target", lambda: "cuda")  # no server pool
-        monkeypatch.setattr(campaign, "_quantize", lambda todo, *_: [
-            {"variant": "int4", "stage": "quantize", "reason": "boom", "log": "q.log"}])
+        monkeypatch.setattr(local, "serve_target", lambda: "cuda")  # no server pool
+        monkeypatch.setattr(local.Local, "quantize", lambda self, todo, *_: [
+            Failure(variant="int4", stage="quantize", reason="boom", log="q.log")])
 
         def bench(settings: object, pool: object) -> None:
             self.calls["bench"] = settings
@@ -171,7 +172,7 @@ class _Stages:
             self.calls["eval"] = settings
 
         def compare(base: object, recipes: list[str], target: object, name: str, track: bool,
-                    failures: list[dict[str, str]], objective: str,
+                    failures: list[Failure], objective: str,
                     cost: object, per_variant: bool = False,
                     threshold: float | None = None,
                     seconds: float | None = None) -> tuple[object, list]:
@@ -184,9 +185,9 @@ class _Stages:
                               plan_target=PlanTarget(), recommendation=None, reason="",
                               failures=failures), []
 
-        monkeypatch.setattr(campaign.bench, "run", bench)
-        monkeypatch.setattr(campaign.evaluation, "run", evaluate)
-        monkeypatch.setattr(campaign.report, "compare_and_log", compare)
+        monkeypatch.setattr(local.bench, "run", bench)
+        monkeypatch.setattr(local.evaluation, "run", evaluate)
+        monkeypatch.setattr(runner.report, "compare_and_log", compare)
 
 
 def test_a_campaign_calls_each_stage_without_the_recipe_that_failed_before_it(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import campaign
-from pipeline.core import campaigns, tracking
+from pipeline.campaign import files as campaigns
+from pipeline.core import tracking
 from pipeline.core.artifacts import (
     BenchSummary,
     Comparison,
@@ -26,6 +27,7 @@ from pipeline.core.artifacts import (
     WorkloadFigures,
 )
 from pipeline.core.errors import ConfigError
+from pipeline.core.settings import from_options
 from pipeline.eval import gate
 from pipeline.plan import capacity
 from pipeline.report import compare, cost, placement, plots, reference
@@ -340,7 +342,8 @@ def test_stage_settings_follow_the_campaign_and_print_their_command() -> None:
     assert "--limit=40" in evaluate.command("eval") and "--no-divergence" in evaluate.command(
         "eval")
     # the command line overrides the file; no workloads means no bench
-    override = campaign.CampaignSettings(campaign="quick", recipes=("int8",), limit="all")
+    override = from_options(campaign.CampaignSettings, campaign="quick", recipes=("int8",),
+                            limit="all")
     quantize, bench, evaluate = campaign.stages(override, override.file())
     assert [q.recipe for q in quantize] == ["int8"] and evaluate.limit == "all"
     no_bench = campaigns.CampaignFile(recipes=("fp8",), workloads=())
@@ -349,7 +352,7 @@ def test_stage_settings_follow_the_campaign_and_print_their_command() -> None:
 
 def test_the_cost_objective_adds_the_capacity_search_once() -> None:
     def bench_of(**overrides: object) -> tuple[str, ...]:
-        settings = campaign.CampaignSettings(baseline="tiny", **overrides)  # type: ignore[arg-type]
+        settings = from_options(campaign.CampaignSettings, baseline="tiny", **overrides)
         bench = campaign.stages(settings, settings.file())[1]
         assert bench is not None
         return bench.workloads
@@ -421,7 +424,7 @@ def test_a_campaigns_threshold_is_said_wherever_the_verdict_is() -> None:
     row.threshold, row.threshold_from = 95.0, "campaign"
     best, reason = recommend([_baseline(), row])
     assert best == "int8" and "(threshold 95%, the campaign's)" in reason
-    settings = campaign.CampaignSettings(threshold=95)
+    settings = from_options(campaign.CampaignSettings, threshold=95)
     assert settings.file().threshold == 95
     assert campaigns.load("default").threshold is not None  # the demonstration's, said in it
 
@@ -464,10 +467,11 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
         PlanTarget(gpu="h100-80gb"), "bf16", 128)).metrics())
     assert not (workspace / "gone").exists()
     # `qpipe compare BASELINE=tiny` finds the baseline by its record, resolving nothing
-    from pipeline.report import stage
+    from pipeline.campaign import compare as make_compare
     from pipeline.report.settings import CompareSettings
 
-    shown = stage.run(CompareSettings(baseline="tiny", track=False, gpu="h100-80gb"))
+    shown = make_compare.run(from_options(CompareSettings, baseline="tiny", track=False,
+                                          gpu="h100-80gb"))
     assert [r.name for r in shown.rows] == ["baseline", "fp8kv"]
     assert (Comparison.directory("Tiny") / "comparison.md").is_file()
     # a manifest from before kv_dtype was recorded is refused with the way out

@@ -11,7 +11,8 @@ import pytest
 
 from pipeline import campaign
 from pipeline.bench import measure, stage
-from pipeline.core import campaigns, hardware, tracking
+from pipeline.campaign import files as campaigns
+from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import CostTarget, PlanTarget, Row
 from pipeline.core.variant import Variant
 from pipeline.eval import EvalSettings, lm
@@ -384,15 +385,18 @@ def test_the_plan_takes_the_kv_block_the_engine_used_on_that_card() -> None:
 
 def test_make_all_on_a_gpu_host_runs_the_gpu_sized_workloads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(campaign, "serve_target", lambda: "cuda")
+    from pipeline.campaign import settings as campaign_settings
+    from pipeline.core.settings import from_options
+
+    monkeypatch.setattr(campaign_settings, "serve_target", lambda: "cuda")
     settings = campaign.CampaignSettings(baseline="tiny")
     bench = campaign.stages(settings, settings.file())[1]
     assert bench is not None and bench.workloads == ("smoke", "chat", "prefix")
-    cost = campaign.CampaignSettings(baseline="tiny", objective="cost")
+    cost = from_options(campaign.CampaignSettings, baseline="tiny", objective="cost")
     bench = campaign.stages(cost, cost.file())[1]
     assert bench is not None and bench.workloads[-1] == "capacity-gpu"
-    chosen = campaign.CampaignSettings(baseline="tiny", workloads=("chat",))  # WORKLOAD= wins
+    chosen = from_options(campaign.CampaignSettings, baseline="tiny", workloads=("chat",))
     assert campaign.stages(chosen, chosen.file())[1].workloads == ("chat",)  # type: ignore
-    monkeypatch.setattr(campaign, "serve_target", lambda: "cpu")
+    monkeypatch.setattr(campaign_settings, "serve_target", lambda: "cpu")
     assert campaign.stages(settings, settings.file())[1].workloads == (  # type: ignore
         "chat", "prefix")

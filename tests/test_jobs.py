@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.core import jobs
+from pipeline.campaign import jobs
 
 
 def _job(tmp_path: Path, label: str, code: str) -> jobs.Job:
@@ -77,7 +77,7 @@ def test_keep_going_runs_the_others_and_returns_the_failures(tmp_path: Path) -> 
 
 
 def test_a_failed_quantize_is_explained_by_its_last_error_line() -> None:
-    from pipeline.quantize.parallel import last_error
+    from pipeline.campaign.local import last_error
 
     assert last_error("x\nTraceback\nValueError: bad scheme\n") == "ValueError: bad scheme"
     assert last_error("[quantize] x\nqpipe quantize: recipe broke\n") == \

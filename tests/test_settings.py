@@ -12,8 +12,8 @@ import annotated_types
 import pytest
 from pydantic import BaseModel
 
+from pipeline.campaign.files import CampaignFile
 from pipeline.core.artifacts import CostTarget, PlanTarget
-from pipeline.core.campaigns import CampaignFile
 from pipeline.registry import STAGES
 from tests.conftest import run_cli
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from pipeline.core.settings import StageSettings, baseline_field, force_field, recipes_field
+from pipeline.core.settings import (
+    StageSettings,
+    baseline_field,
+    force_field,
+    overrides,
+    recipes_field,
+)
 from pipeline.serve.settings import EngineSettings
 
 DEFAULT_WORKLOADS = ("chat", "prefix", "capacity")
@@ -28,3 +34,8 @@ class BenchSettings(StageSettings):
     force: bool = force_field("measure again")
     engine: EngineSettings = Field(default_factory=EngineSettings,
                                    json_schema_extra={"nested": True})
+
+
+# what a campaign may set for its bench stage, each unset by default
+BenchOverrides = overrides(BenchSettings, ("workloads", "repeats", "slo_ttft_ms", "slo_itl_ms"),
+                           "the campaign file's, else each workload's")

@@ -10,13 +10,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from pipeline.core import paths
-from pipeline.core.artifacts import CostTarget, PlanTarget
+from pipeline.core.artifacts import CostTarget, Objective, PlanTarget
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import from_yaml
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
-OBJECTIVES = ("speed", "memory", "capacity", "cost")
-ObjectiveName = Literal["speed", "memory", "capacity", "cost"]
 
 
 class CampaignFile(BaseModel):
@@ -32,7 +30,7 @@ class CampaignFile(BaseModel):
     limit: PositiveInt | Literal["all"] | None = None  # None: each task's qpipe_limit
     backend: Literal["auto", "served", "hf"] = "auto"
     divergence: bool = True
-    objective: ObjectiveName = "speed"
+    objective: Objective = "speed"
     # the capacity search (a workload with an slo) run when the objective ranks by its cost,
     # whatever `workloads` says; name it in `workloads` to run it for every objective
     capacity_workload: str = "capacity"

@@ -58,6 +58,21 @@ def clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
+class Steps:
+    """The campaign's progress lines: ``[all 3-4/7] bench (elapsed 2:10)``."""
+
+    def __init__(self, total: int) -> None:
+        self.started, self.total, self.step = time.monotonic(), total, 0
+
+    def elapsed(self) -> str:
+        return clock(time.monotonic() - self.started)
+
+    def next(self, label: str, count: int = 1) -> None:
+        first, self.step = self.step + 1, self.step + count
+        steps = f"{first}-{self.step}" if count > 1 else f"{first}"
+        print(f"\n[all {steps}/{self.total}] {label} (elapsed {self.elapsed()})", flush=True)
+
+
 def _state(job: Job, now: float, progress: Callable[[Job], str]) -> str:
     parts = [p for p in (progress(job), clock(now - job.started)) if p]
     return f"{job.label} ({', '.join(parts)})"

@@ -1,6 +1,9 @@
-"""Where a campaign's tasks run: ``local`` (this machine, qpipe's own process pool) or ``ray``
-(every node of a Ray cluster; ``EXECUTOR=ray``, ``RAY_ADDRESS=`` for an existing cluster,
-without it a local Ray instance over this node's CPUs and GPUs).
+"""The Ray executor (``EXECUTOR=ray``): a campaign's stages as the tasks of a Ray cluster
+(``RAY_ADDRESS=`` for an existing cluster, without it a local Ray instance over this node's
+CPUs and GPUs): one task per recipe to quantize, then the baseline's scores, then one task per
+variant that benches it beside its own baseline server (the speedup is paired on one node) and
+scores it. Every task's commands are the stage commands a user can run alone; the artifacts
+directory is shared by every node (docs/scale-out.md).
 
 A task is one or more ``qpipe <stage> ...`` commands run in order on one node, with the
 resources it declares (GPUs, CPUs, custom resources); its output goes to a log file under the
@@ -23,13 +26,86 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import bench
+from pipeline import eval as evaluation
+from pipeline.campaign.jobs import Steps
 from pipeline.core import log as qlog
-from pipeline.core import paths, procs
+from pipeline.core import paths, procs, tracking
+from pipeline.core.artifacts import Failure
 from pipeline.core.errors import ConfigError
+from pipeline.core.settings import to_argv
+from pipeline.quantize import baseline as baselines
+from pipeline.quantize.settings import QuantizeSettings
+from pipeline.serve import EngineSettings
 
 log = qlog.get("all")
 # what a task's commands need from the driver's environment on any node
 FORWARDED = ("QPIPE_", "MLFLOW_", "HF_", "VLLM_", "SERVE_TARGET", "CUDA_VISIBLE_DEVICES")
+
+
+class Ray:
+    """A Ray cluster: every stage as tasks, each on the node Ray chooses."""
+
+    def __init__(self, address: str | None, resources: str | None,
+                 engine: EngineSettings) -> None:
+        self.address, self.resources = address, ray_resources(resources)
+        self.servers = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        self.logs = paths.artifacts_dir() / "logs"
+
+    def steps(self, recipes: int, benches: bool) -> int:
+        return 2 * recipes + 1  # each recipe quantized, the baseline's scores, each measured
+
+    def _run(self, clock: Steps, label: str, tasks: list[Task]) -> list[Outcome]:
+        clock.next(f"{label} on Ray: {len(tasks)} task(s)", max(1, len(tasks)))
+        return run(tasks, self.address)
+
+    def quantize(self, todo: list[QuantizeSettings], base: baselines.Baseline,
+                 clock: Steps) -> list[Failure]:
+        tracking.prepare(base.name)  # tasks that log at once must not race on a new store
+        outcomes = self._run(clock, "quantize", [Task(
+            f"quantize {q.recipe}", (qpipe("quantize", *to_argv(q)),),
+            self.logs / f"quantize-{q.recipe}.log", gpus_if_any=1, resources=self.resources)
+            for q in todo])
+        return [Failure(variant=o.label.split(" ", 1)[1], stage="quantize", reason=o.reason,
+                        log=o.log) for o in outcomes if not o.ok]
+
+    def measure(self, recipes: tuple[str, ...], bench_settings: bench.BenchSettings | None,
+                eval_settings: evaluation.EvalSettings, clock: Steps) -> list[Failure]:
+        first = eval_settings.model_copy(update={"recipes": ("none",)})
+        failures = [Failure(variant="baseline", stage="eval", reason=o.reason, log=o.log)
+                    for o in self._run(clock, "baseline scores", [Task(
+                        "eval baseline", (qpipe("eval", *to_argv(first)),),
+                        self.logs / "eval-baseline.log", gpus_if_any=self.servers,
+                        resources=self.resources)]) if not o.ok]
+        measure = []
+        for recipe in recipes:
+            commands = []
+            if bench_settings is not None:
+                one = bench_settings.model_copy(update={"recipes": (recipe,)})
+                commands.append(qpipe("bench", *to_argv(one)))
+            one_eval = eval_settings.model_copy(update={"recipes": (recipe,)})
+            commands.append(qpipe("eval", *to_argv(one_eval)))
+            measure.append(Task(f"measure {recipe}", tuple(commands),
+                                self.logs / f"measure-{recipe}.log", gpus_if_any=self.servers,
+                                resources=self.resources))
+        return failures + [
+            Failure(variant=o.label.split(" ", 1)[1], stage="bench/eval",
+                    reason=f"{o.reason} (node {o.node})", log=o.log)
+            for o in self._run(clock, "bench + eval per variant", measure) if not o.ok]
+
+
+def ray_resources(text: str | None) -> dict[str, float]:
+    """``RAY_RESOURCES='{"h100": 1}'``: the custom resources every task asks for."""
+    if not text:
+        return {}
+    try:
+        found = json.loads(text)
+        if isinstance(found, dict) and all(isinstance(v, (int, float)) for v in found.values()):
+            return {str(k): float(v) for k, v in found.items()}
+    except ValueError:
+        pass
+    raise ConfigError(f"RAY_RESOURCES={text}: a JSON object of resource -> amount, e.g. "
+                      "'{\"h100\": 1}'.")
 
 
 @dataclass(frozen=True)
@@ -105,8 +181,7 @@ def _last_line(path: Path) -> str:
 def run(tasks: list[Task], address: str | None = None) -> list[Outcome]:
     """Run every task on the Ray cluster; one outcome per task (failures reported, not
     raised). The outcomes (node, attempts, seconds since submission) are appended to
-    ``artifacts/logs/executor.jsonl``. (``EXECUTOR=local`` is the campaign's own in-process
-    path and does not come here.)"""
+    ``artifacts/logs/executor.jsonl``."""
     for task in tasks:
         task.log.parent.mkdir(parents=True, exist_ok=True)
         task.log.write_bytes(b"")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -522,6 +522,29 @@ class Row(BaseModel):
         return self.eval_backend or "-"
 
 
+class Failure(BaseModel):
+    """A stage that failed for a variant (``all``: the whole stage) for a reason other than a
+    hardware limit; the comparison shows it and the campaign exits 1 naming it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    variant: str
+    stage: str  # quantize | bench | eval | bench/eval (one Ray task ran both)
+    reason: str
+    log: str = ""
+
+    def rerun(self) -> str:
+        """The command that runs the failed stage again for that variant alone."""
+        def one(stage: str) -> str:
+            if self.variant == "all" or (self.variant == "baseline" and stage != "eval"):
+                return f"make {stage}"  # bench always serves the baseline
+            return f"make {stage} RECIPE={'none' if self.variant == 'baseline' else self.variant}"
+        return " and ".join(one(stage) for stage in self.stage.split("/"))
+
+
+OBJECTIVES = ("speed", "memory", "capacity", "cost")
+Objective = Literal["speed", "memory", "capacity", "cost"]  # what a recommendation optimises
+
+
 class Comparison(Artifact):
     """``artifacts/reports/<baseline>/comparison.json``: the join and its verdict."""
 
@@ -538,10 +561,10 @@ class Comparison(Artifact):
     reason: str
     sources: dict[str, str] = Field(default_factory=dict)
     # what failed for a reason other than a hardware limit: {variant, stage, reason, log}
-    failures: list[dict[str, str]] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
     hardware: str = ""  # where the bench figures were measured (the machine's profile)
     measurement: dict[str, str] = Field(default_factory=dict)  # the reference bench run
-    objective: str = "speed"
+    objective: Objective = "speed"
     plan_note: str = ""  # when the plan is not for the card the figures come from
     meta: dict[str, str] = Field(default_factory=dict)  # provenance: commit, versions, hardware
 

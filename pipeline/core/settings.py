@@ -147,6 +147,11 @@ def from_args(model: type[M], args: argparse.Namespace) -> M:
         raise ConfigError(_explain(err, "the command line", model, options=True)) from None
 
 
+def from_options(model: type[M], **options: Any) -> M:
+    """The settings that options named as on the command line give (nested models flat)."""
+    return from_args(model, argparse.Namespace(**options))
+
+
 def to_argv(settings: BaseModel) -> list[str]:
     """The options that give ``settings`` (defaults left out): a stage's re-run command."""
     out: list[str] = []
@@ -250,6 +255,27 @@ def _explain(err: ValidationError, where: str, model: type[BaseModel] | None = N
             parts.append(f"{named or f'field {field!r}'}: {problem['msg'].lower()} (got "
                          f"{problem.get('input')!r})")
     return f"{where}: " + "; ".join(parts) + "."
+
+
+def overrides(model: type[BaseModel], names: tuple[str, ...], source: str) -> type[BaseModel]:
+    """A settings model of ``model``'s fields ``names``, each unset by default (None, or ``()``
+    for a list), so that it overrides ``source`` only where it is given. Its fields keep the
+    stage's type, bounds, flag and Makefile variable: an option is declared once, by its stage,
+    and composed into the settings of whatever runs that stage (the campaign)."""
+    from pydantic import Field, create_model
+
+    fields: dict[str, Any] = {}
+    for name in names:
+        field = model.model_fields[name]
+        inner, _ = _bare(field.annotation)
+        many = get_origin(inner) in (list, tuple)
+        kind = Annotated[(inner, *field.metadata)] if field.metadata else inner
+        said = (field.description or name).split(" (default")[0]
+        fields[name] = (kind if many else typing.Optional[kind],  # noqa: UP045 (a runtime type)
+                        Field(() if many else None, description=f"{said} (default: {source})",
+                              json_schema_extra=_extra(field) or None))
+    return create_model(f"{model.__name__.removesuffix('Settings')}Overrides",
+                        __config__=ConfigDict(frozen=True, extra="forbid"), **fields)
 
 
 # --- fields every stage shares ------------------------------------------------------------------

@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PositiveInt
 
-from pipeline.core.settings import StageSettings, baseline_field, force_field, recipes_field
+from pipeline.core.settings import (
+    StageSettings,
+    baseline_field,
+    force_field,
+    overrides,
+    recipes_field,
+)
 from pipeline.serve.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -57,6 +63,10 @@ class EvalSettings(StageSettings):
             self.limit if self.limit is not None else task.default_limit)
         return {"limit": limit, "num_fewshot": self.num_fewshot, "seeds": SEEDS,
                 "lm_eval": metadata.version("lm_eval")}
+
+
+# what a campaign may set for its eval stage, each unset by default
+EvalOverrides = overrides(EvalSettings, ("suites", "limit"), "the campaign file's")
 
 
 class GateSettings(StageSettings):

@@ -22,6 +22,7 @@ from pipeline.core.artifacts import (
     Comparison,
     CostTarget,
     EvalFailure,
+    Failure,
     Manifest,
     PlanTarget,
     Price,
@@ -88,7 +89,7 @@ def _rows(base: BaselineLike, record: BaselineRecord, made: dict[str, Manifest]
 
 def collect(base: BaselineLike, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
-            failures: list[dict[str, str]] | None = None, objective: str = "speed",
+            failures: list[Failure] | None = None, objective: str = "speed",
             cost_target: CostTarget | None = None, per_variant: bool = False,
             threshold: float | None = None) -> Comparison:
     """One row for the baseline and each variant on disk (or ``recipes``). ``failures`` are a
@@ -168,16 +169,15 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                 newest_capacity(row, identities[row.name], summaries, measured_on, prices,
                                  cost_target)
             if row.serving == "failed":
-                failed.append({"variant": row.name, "stage": "bench",
-                               "reason": row.serving_reason, "log": row.serving_log})
+                failed.append(Failure(variant=row.name, stage="bench", reason=row.serving_reason,
+                                      log=row.serving_log))
         if row.name == BASELINE:
             continue
         eval_failed = EvalFailure.load(base.name, row.name)
         evaluated = RecoverySummary.load(base.name, row.name)
         if eval_failed is not None and eval_failed.identity == identities[row.name]:
             row.gate_reason = f"its last evaluation failed: {eval_failed.reason}"
-            failed.append({"variant": row.name, "stage": "eval", "reason": eval_failed.reason,
-                           "log": ""})
+            failed.append(Failure(variant=row.name, stage="eval", reason=eval_failed.reason))
         elif evaluated is not None:
             apply_eval(row, evaluated, base, identities[row.name],
                        made[row.name].recipe.recovery_threshold_pct, threshold)

@@ -93,7 +93,7 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
-            "failures": "; ".join(f"{f['variant']} ({f['stage']})"
+            "failures": "; ".join(f"{f.variant} ({f.stage})"
                                   for f in comparison.failures)[:5000] or "none",
             "mlflow.note.content": recommendation_line(comparison)}
     name = f"campaign:{meta['campaign']}"

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.table import capacity_range
 from pipeline.core import tracking
-from pipeline.core.artifacts import EMULATED, Row
-from pipeline.core.campaigns import OBJECTIVES
+from pipeline.core.artifacts import EMULATED, OBJECTIVES, Row
 from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate

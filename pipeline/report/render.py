@@ -250,8 +250,8 @@ def _notes(comparison: Comparison) -> list[str]:
     for name, lengths in comparison.traffic.items():
         out.append(f"workload {name} (your requests, from a file): {lengths_text(lengths)}")
     for failure in comparison.failures:
-        log = f" (log {failure['log']})" if failure.get("log") else ""
-        out.append(f"FAILED: {failure['variant']} in {failure['stage']}: {failure['reason']}{log}"
+        log = f" (log {failure.log})" if failure.log else ""
+        out.append(f"FAILED: {failure.variant} in {failure.stage}: {failure.reason}{log}"
                    "; the other variants were measured without it, and it cannot be recommended")
     for row in comparison.rows:
         if row.serving == "unsupported":

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.core.artifacts import CostTarget
-from pipeline.core.campaigns import ObjectiveName
+from pipeline.core.artifacts import CostTarget, Objective, PlanTarget
 from pipeline.core.settings import StageSettings, baseline_field, recipes_field
 
 
@@ -29,21 +28,20 @@ class CostOverrides(BaseModel):
                                          if v is not None})
 
 
-class CompareSettings(StageSettings):
-    baseline: str = baseline_field()
-    recipes: tuple[str, ...] = recipes_field("include")
-    campaign: str = Field("default", description="campaign file whose plan target and "
-                          "objective are used", json_schema_extra={"make": "CAMPAIGN"})
+class ComparisonOverrides(BaseModel):
+    """What overrides a campaign file's plan target, objective, cost and threshold: in ``make
+    compare`` and ``make all`` alike."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
     gpu: str | None = Field(None, description="accelerator preset the planner places each "
-                            "variant on (auto: this machine's card)",
+                            "variant on (auto: this machine's card; default: the campaign's)",
                             json_schema_extra={"make": "PLAN_GPU"})
     context: int | None = Field(None, ge=1, description="tokens per request for planned "
-                                "concurrency",
-                                json_schema_extra={"make": "PLAN_CONTEXT"})
+                                "concurrency", json_schema_extra={"make": "PLAN_CONTEXT"})
     max_context: int | None = Field(None, ge=1,
                                     description="tokens reserved per request, worst case")
     memory_gb: float | None = Field(None, gt=0, description="accelerator memory instead of --gpu")
-    objective: ObjectiveName | None = Field(
+    objective: Objective | None = Field(
         None, description="what the recommendation optimises (default: the campaign's, speed): "
         "the fastest passing variant faster than the baseline, the smallest, the one holding "
         "the most requests at the plan target, or the cheapest per million tokens at the latency "
@@ -53,6 +51,21 @@ class CompareSettings(StageSettings):
     threshold: float | None = Field(None, gt=0, le=1000, description="the gate threshold of "
                                     "every variant (percent), instead of the campaign file's or "
                                     "each recipe's", json_schema_extra={"make": "THRESHOLD"})
+
+    def plan(self, target: PlanTarget) -> PlanTarget:
+        """``target`` (a campaign file's) with these overrides."""
+        return target.model_copy(update={k: getattr(self, k) for k in
+                                         ("gpu", "context", "max_context", "memory_gb")
+                                         if getattr(self, k)})
+
+
+class CompareSettings(StageSettings):
+    baseline: str = baseline_field()
+    recipes: tuple[str, ...] = recipes_field("include")
+    campaign: str = Field("default", description="campaign file whose plan target and "
+                          "objective are used", json_schema_extra={"make": "CAMPAIGN"})
+    comparison: ComparisonOverrides = Field(default_factory=ComparisonOverrides,
+                                            json_schema_extra={"nested": True})
     track: bool = Field(True, description="log the comparison to MLflow",
                         json_schema_extra={"negative": "--no-track",
                                            "negative_help": "do not log to MLflow"})
