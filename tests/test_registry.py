@@ -76,3 +76,25 @@ def test_a_default_lives_in_one_place_the_makefile_passes_only_what_is_set() -> 
                                f"{field.default!r}")
     assert checked >= 30
     assert not drifted, drifted
+
+
+def test_the_campaign_composes_the_stages_options_instead_of_copying_them() -> None:
+    """What ``make all`` overrides of bench and eval is made from those stages' own fields:
+    the same flag, Makefile variable and bounds, unset by default (the campaign file's)."""
+    from pipeline.bench.settings import BenchOverrides, BenchSettings
+    from pipeline.campaign import CampaignSettings
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.settings import from_options
+    from pipeline.eval.settings import EvalOverrides, EvalSettings
+
+    for overrides, stage in ((BenchOverrides, BenchSettings), (EvalOverrides, EvalSettings)):
+        for name, field in overrides.model_fields.items():
+            own = stage.model_fields[name]
+            assert field.json_schema_extra == own.json_schema_extra, name
+            assert all(repr(bound) in repr(field.annotation) for bound in own.metadata), name
+            assert field.default in (None, ()), name
+    with pytest.raises(ConfigError, match=r"--repeats \(make REPEATS=\)"):
+        from_options(CampaignSettings, repeats=0)  # the stage's own bound
+    set_here = from_options(CampaignSettings, repeats=2, suites=("standard",))
+    assert set_here.file().repeats == 2 and set_here.file().suites == ("standard",)
+    assert CampaignSettings().file().suites == ("app",)  # unset: the campaign file's
