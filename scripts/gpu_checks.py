@@ -66,17 +66,17 @@ def main() -> int:
         dtypes = set(KV_DTYPE.findall(log))
         check(bool(dtypes), f"{name}: KV cache dtype in the engine's config line: "
               f"{', '.join(sorted(dtypes)) or 'not found'} (recorded "
-              f"{entry.engine.get('kv_cache_dtype')})")
-        check(entry.engine.get("kv_budget_source", "").startswith("engine log"),
+              f"{entry.engine.kv_cache_dtype})")
+        check(entry.engine.kv_budget_source.startswith("engine log"),
               f"{name}: KV budget from 'Available KV cache memory': "
               f"{entry.kv.get('kv_cache_memory_bytes')} B per device")
         ratio = entry.kv.get("kv_cache_tokens_vs_planned")
         check(ratio is not None and abs(ratio - 1) <= 0.01,
               f"{name}: vLLM's KV tokens / planned = {ratio} (within 1%)")
         if name != "baseline":
-            kernels = entry.engine.get("kernels") or []
+            kernels = entry.engine.kernels
             check(bool(kernels), f"{name}: kernels from vLLM's log: {', '.join(kernels)}; "
-                  f"{entry.engine.get('kernels_by_layer_text', '')}")
+                  f"{entry.engine.kernels_by_layer_text}")
         check(row.eval_backend == SERVED, f"{name}: scored through the GPU vLLM server "
               f"({row.eval_backend or 'not scored'})")
     check(comparison.plan_note == "" or "planned as the servers" in comparison.plan_note,

@@ -25,7 +25,6 @@ from pipeline.plan import capacity
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
 from pipeline.quantize import stage as quantize
-from pipeline.report.cost import USD_PER_MTOK
 from pipeline.serve import EngineSettings, ServerPool, VllmServer, known_refusal
 from tests.conftest import TINY_LOAD
 
@@ -210,9 +209,9 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         # the capacity search ran through vLLM's client, every point with both repeats
         found = entry.workloads["tinycap"].capacity
         assert found is not None
-        assert found["slo_max_concurrency"] == 4 and found["censored"]
-        assert {c: (p["good"], p["counted"], p["runs"], p["verdict"])
-                for c, p in found["points"].items()} == {
+        assert found.slo_max_concurrency == 4 and found.censored
+        assert {c: (p.good, p.counted, p.runs, p.verdict)
+                for c, p in found.points.items()} == {
             "1": (8, 8, 2, "meets"), "2": (6, 6, 2, "meets"), "4": (6, 6, 2, "meets")}
         # the attainment counted from each request's figures is vLLM's own goodput count
         runs = sorted((BenchSummary.path(base.name, summary.key).parent / "runs").glob(
@@ -227,19 +226,19 @@ def test_bench_measures_baseline_and_variant_through_vllm(
             # 3 counted past the wave; the two pilots (the first point's first runs) 4
             pilot = users == 1
             assert result["num_prompts"] == users + (4 if pilot else 3)
-        assert found["slo_output_tokens_per_s"] > 0
-        assert found["limited_by"].startswith("the search ceiling")
+        assert found.slo_output_tokens_per_s and found.slo_output_tokens_per_s > 0
+        assert found.limited_by.startswith("the search ceiling")
         # the rate search: Poisson arrivals at 2 and 4 req/s, as vLLM's client recorded them,
         # against 100x the baseline's own single-request TTFT measured in this run
         rated = entry.workloads["tinyrate"].capacity
-        assert rated is not None and rated["search_by"] == "rate" and rated["censored"]
-        assert rated[tracking.SLO_MAX_REQUEST_RATE] == 4.0
-        assert {c: (p["rate"], p["verdict"]) for c, p in rated["points"].items()} == {
+        assert rated is not None and rated.search_by == "rate" and rated.censored
+        assert rated.slo_max_request_rate == 4.0
+        assert {c: (p.rate, p.verdict) for c, p in rated.points.items()} == {
             "1": (2.0, "meets"), "2": (4.0, "meets")}
-        assert rated["objective_basis"].startswith("100 x the baseline's single-request TTFT")
+        assert rated.objective_basis.startswith("100 x the baseline's single-request TTFT")
         probe = json.loads(next((BenchSummary.path(base.name, summary.key).parent / "runs")
                                 .glob("baseline-tinyrate_objective-c1-r2.json")).read_text())
-        assert rated["objective"] == Objective(
+        assert rated.objective == Objective(
             ttft_ms="auto", tpot_ms=600000, factor=100, percentile=50).derived(
             probe, "the baseline").describe()
         sent = json.loads(next((BenchSummary.path(base.name, summary.key).parent / "runs")
@@ -333,9 +332,10 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         tracking.KV_CACHE_TOKENS]
     assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.2
     # capacity at the objective, its cost at the host's price, and where the speedup crosses 1
-    assert rows["int4"].capacity[tracking.SLO_MAX_CONCURRENCY] == 4
-    tps = rows["int4"].capacity[tracking.SLO_OUTPUT_TOKENS_PER_S]
-    assert rows["int4"].cost[USD_PER_MTOK] == pytest.approx(0.10 / (tps * 3600) * 1e6)
+    assert rows["int4"].capacity.slo_max_concurrency == 4
+    tps = rows["int4"].capacity.slo_output_tokens_per_s
+    assert rows["int4"].cost.usd_per_million_output_tokens == pytest.approx(
+        0.10 / (tps * 3600) * 1e6)
     # each load's verdict with its interval and n (two repeats of a tiny load: rarely decided)
     assert " at 1 (" in rows["int4"].crossover and " at 2 (" in rows["int4"].crossover
     assert "n=2" in rows["int4"].crossover
@@ -433,7 +433,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_as_planned_or_is_unsupported(
         assert "requires x86 with AVX-512 or AMX" in entry.reason
         return
     assert entry.status == "ok", entry.reason
-    assert entry.engine["kv_cache_dtype"] == "fp8"
+    assert entry.engine.kv_cache_dtype == "fp8"
     ratio = entry.kv[tracking.KV_CACHE_TOKENS] / baseline.kv[tracking.KV_CACHE_TOKENS]
     assert 1.9 <= ratio <= 2.1, ratio
     assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01

@@ -96,7 +96,8 @@ def test_the_noise_is_this_machines_own_once_a_bench_run_measured_it(workspace: 
         stage.DEFAULT_NOISE)
     sweep = WorkloadFigures(points={1: {tracking.SPEEDUP_LOG_SD: 0.04},
                                     4: {tracking.SPEEDUP_LOG_SD: 0.06}})
-    search = WorkloadFigures(points={2: {tracking.SPEEDUP_LOG_SD: 0.9}}, capacity={"x": 1})
+    search = WorkloadFigures(points={2: {tracking.SPEEDUP_LOG_SD: 0.9}},
+                             capacity={"workload": "capacity", "objective": "o"})
     summary = BenchSummary(baseline="B", target="cpu", key="k1", models={
         "int8": ModelBench(recipe="int8", status="ok", identity="i", format="f",
                            workloads={"chat": sweep, "capacity": search})})

@@ -271,7 +271,7 @@ def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
     rows = {r.name: r for r in comparison.rows}
     assert rows["int8"].serving == "failed" and rows["fp8"].serving == "ok"
     assert (rows["fp8"].speedup or 0) > 0 and rows["int8"].speedup is None
-    assert [(f["variant"], f["stage"]) for f in comparison.failures] == [("int8", "bench")]
+    assert [(f.variant, f.stage) for f in comparison.failures] == [("int8", "bench")]
     assert comparison.recommendation != "int8"
     assert "FAILED: int8 in bench" in (reports / "report.html").read_text()
 

@@ -140,7 +140,8 @@ def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None
 def _searched(row: Row, tps: float, censored: bool = False) -> Row:
     """A capacity of 8 users at ``tps`` (runs 0.9-1.1x), 1.2x at the first load shown to miss,
     priced at $0.36/h."""
-    row.capacity = {tracking.SLO_MAX_CONCURRENCY: 8, tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
+    row.capacity = {"workload": "capacity", "objective": "o", tracking.SLO_MAX_CONCURRENCY: 8,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
                     tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": 0.9 * tps,
                     tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": 1.1 * tps,
                     tracking.SLO_REQUESTS_PER_S: tps / 16, "censored": censored,
@@ -157,8 +158,8 @@ def test_cost_objective_takes_the_cheapest_variant_shown_cheaper_than_the_baseli
     cheap, close, failing = (_searched(_row("int8", 1.1, gate.PASS), 120.0),
                              _searched(_row("fp8", 1.5, gate.PASS), 45.0),
                              _searched(_row("int4", 0.8, gate.INCONCLUSIVE), 300.0))
-    assert base.cost[cost.USD_PER_MTOK + "_min"] == pytest.approx(0.36 / (48 * 3600) * 1e6)
-    assert base.cost[cost.USD_PER_MTOK + "_max"] == pytest.approx(0.36 / (36 * 3600) * 1e6)
+    assert base.cost.usd_per_million_output_tokens_min == pytest.approx(0.36 / (48 * 3600) * 1e6)
+    assert base.cost.usd_per_million_output_tokens_max == pytest.approx(0.36 / (36 * 3600) * 1e6)
     best, reason = recommend([base, cheap, close, failing], "cost")
     assert best == "int8"  # int4 is cheaper still, but its gate is inconclusive
     assert "$0.83 [0.69-0.93] per million output tokens at 8 [8-9] concurrent requests" in reason
@@ -174,7 +175,7 @@ def test_cost_objective_takes_the_cheapest_variant_shown_cheaper_than_the_baseli
         "dearer than the baseline: $4.17 at least against its $2.78 at most" in reason
     # a censored baseline's cost is only a bound: nothing is shown cheaper than it
     bound = _searched(_baseline(), 40.0, censored=True)
-    assert bound.cost["cost_bound"] == "upper" and cost.range_text(bound.cost) == "<= $2.78"
+    assert bound.cost.cost_bound == "upper" and cost.range_text(bound.cost) == "<= $2.78"
     best, reason = recommend([bound, cheap], "cost")
     assert best is None and "its cost is only an upper bound (<= $2.78)" in reason
     # without a capacity at the objective there is no cost, and no recommendation for it
@@ -190,7 +191,7 @@ def test_capacities_are_compared_at_one_objective_and_workload() -> None:
         row.capacity = {"workload": "capacity", "objective": objective,
                         tracking.SLO_MAX_CONCURRENCY: 8}
     reference.one_objective([base, a, b])
-    assert not a.capacity.get("other_objective") and b.capacity["other_objective"]
+    assert not a.capacity.other_objective and b.capacity.other_objective
     assert "not at the comparison's TTFT p90 <= 500 ms" in b.notes[0]
     assert report._capacity_cell(b) == "8 (other objective, not ranked)"
 
@@ -261,18 +262,19 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
     search[1].measured = "2026-11-30T21:51:10+00:00"
     search[1].models["int8"].workloads = {"capacity": WorkloadFigures(
         points={12: {"ttft_ms_p99": 480.0, "output_tokens_per_s": 216.0}},
-        capacity={"slo_max_concurrency": 12, "bounds": {"ttft_ms_p99": 500.0}})}
+        capacity={"workload": "capacity", "objective": "o", "slo_max_concurrency": 12,
+                  "bounds": {"ttft_ms_p99": 500.0}})}
     row = _row("int8", 1.2, gate.PASS)
     prices: dict = {}
     reference.newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
     assert prices["int8"].example and prices["int8"].price_per_hour == 0.10
-    assert row.capacity["slo_max_concurrency"] == 12
-    assert row.capacity["curve"] == {12: {"ttft_ms_p99": 480.0}}
+    assert row.capacity.slo_max_concurrency == 12
+    assert row.capacity.curve == {12: {"ttft_ms_p99": 480.0}}
     assert row.notes == ["capacity at the objective (concurrency) from bench search "
                          "(2026-11-30T21:51:10+00:00)"]
     other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
     reference.newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
-    assert other.capacity == {} and other.notes == []
+    assert other.capacity is None and other.notes == []
 
 
 def test_report_formats_carry_the_same_rows_and_the_emulated_mark(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from pipeline.report import cost, crossover
 def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = None) -> Row:
     row = Row(name="int8", recipe="int8", scheme="S", format="int-quantized", precision="int8",
               weight_bytes=1, weight_ratio=0.5, serving="ok")
-    row.capacity = {tracking.SLO_MAX_CONCURRENCY: max_concurrency,
+    row.capacity = {"workload": "capacity", "objective": "o",
+                    tracking.SLO_MAX_CONCURRENCY: max_concurrency,
                     tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
                     tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": tps * 0.8,
                     tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": tps * 1.25,
@@ -29,24 +30,26 @@ def test_cost_per_million_tokens_by_hand():
     # $3.00 an hour at 500 tokens/s: 1.8 M tokens an hour, so $1.666... per million
     assert cost.per_million_tokens(3.0, 500.0) == pytest.approx(3.0 / 1.8)
     figures = cost.figures(_row(10, 500.0, 30.0), 3.0, CostTarget())
-    assert figures[cost.USD_PER_MTOK] == pytest.approx(1.6667, abs=1e-4)
+    assert figures is not None
+    assert figures.usd_per_million_output_tokens == pytest.approx(1.6667, abs=1e-4)
     # the slowest repeat (400 tok/s) is the dearest: $2.083; the fastest (625) $1.333
-    assert figures[cost.USD_PER_MTOK + "_max"] == pytest.approx(3.0 / 1.44)
-    assert figures[cost.USD_PER_MTOK + "_min"] == pytest.approx(3.0 / 2.25)
+    assert figures.usd_per_million_output_tokens_max == pytest.approx(3.0 / 1.44)
+    assert figures.usd_per_million_output_tokens_min == pytest.approx(3.0 / 2.25)
 
 
 def test_machines_for_a_target_load_round_up_and_say_what_is_planned():
     target = CostTarget(target_users=105, target_rps=61.0)
     figures = cost.figures(_row(10, 500.0, 30.0, planned=40), 3.0, target)
-    assert figures["machines_for_target_users"] == 11  # 105 users / 10 per machine
-    assert figures["machines_for_target_rps"] == 3  # 61 req/s / 30 per machine
-    assert figures["planned_devices_for_target_users_kv"] == 3  # 105 / 40 the KV cache holds
+    assert figures is not None
+    assert figures.machines_for_target_users == 11  # 105 users / 10 per machine
+    assert figures.machines_for_target_rps == 3  # 61 req/s / 30 per machine
+    assert figures.planned_devices_for_target_users_kv == 3  # 105 / 40 the KV cache holds
 
 
 def test_no_capacity_at_the_objective_means_no_cost():
-    assert cost.figures(_row(0, 0.0, 0.0), 3.0, CostTarget(target_users=5)) == {}
+    assert cost.figures(_row(0, 0.0, 0.0), 3.0, CostTarget(target_users=5)) is None
     assert cost.figures(Row(name="x", recipe="x", scheme="S", format="f", precision="p",
-                            weight_bytes=1, weight_ratio=1.0), 3.0, CostTarget()) == {}
+                            weight_bytes=1, weight_ratio=1.0), 3.0, CostTarget()) is None
 
 
 FACTS = {"machine": "x86_64", "cpu_model": "x", "cores": 2, "cpu_flags": (),

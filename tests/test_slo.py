@@ -314,19 +314,19 @@ def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
              "ceiling": 32, "points": {4: point, 5: {**point, "good": 0, "verdict": MISSES}}}
     kv = {"kv_cache_tokens": 4096.0, "kv_block_size": 16.0}
     figures = capacity_figures(found, _points(700.0), w, kv)
-    assert figures["slo_max_concurrency"] == 4
-    assert figures["slo_output_tokens_per_s"] == 80.0
-    assert figures["slo_requests_per_s_min"] == 4.0
-    assert figures["slo_attainment"] == 1.0 and figures["slo_capacity_high"] == 4
-    assert figures["workload"] == "w"
-    assert figures["limited_by"].startswith("latency (compute)")
-    assert "TTFT p90 700 ms" in figures["limited_by"]
+    assert figures.slo_max_concurrency == 4
+    assert figures.slo_output_tokens_per_s == 80.0
+    assert figures.slo_requests_per_s_min == 4.0
+    assert figures.slo_attainment == 1.0 and figures.slo_capacity_high == 4
+    assert figures.workload == "w"
+    assert figures.limited_by.startswith("latency (compute)")
+    assert "TTFT p90 700 ms" in figures.limited_by
     # the engine preempted requests at the first miss: its KV cache was full
-    assert capacity_figures(found, _points(700.0, preemptions=3), w, kv)[
-        "limited_by"].startswith("the KV cache")
+    assert capacity_figures(found, _points(700.0, preemptions=3), w, kv
+                            ).limited_by.startswith("the KV cache")
     # a cache that holds fewer requests than the load that missed
     small = {"kv_cache_tokens": 64.0, "kv_block_size": 16.0}
-    assert capacity_figures(found, _points(700.0), w, small)["limited_by"].startswith(
+    assert capacity_figures(found, _points(700.0), w, small).limited_by.startswith(
         "the KV cache: it holds 1 requests")
 
 
@@ -350,7 +350,6 @@ def test_a_rate_search_sends_poisson_arrivals_and_brackets_by_doubling_the_rate(
 
 
 def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_path):
-    from pipeline.core import tracking
     from pipeline.core.artifacts import CostTarget, Row
     from pipeline.report import cost
 
@@ -360,20 +359,22 @@ def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_
                   "output_tokens_per_s_max": 11.0 * c, "requests_per_s": 0.6 * c}
               for c in found["points"]}
     figures = capacity_figures(found, points, w, {})
-    assert figures["search_by"] == "rate" and tracking.SLO_MAX_CONCURRENCY not in figures
-    assert figures[tracking.SLO_MAX_REQUEST_RATE] == pytest.approx(2 ** 1.5)
-    assert figures["points"]["7"]["rate"] == pytest.approx(2 ** 1.5)
-    assert figures["traffic"].startswith("open loop: Poisson arrivals")
+    assert figures.search_by == "rate" and figures.slo_max_concurrency is None
+    assert figures.slo_max_request_rate == pytest.approx(2 ** 1.5)
+    assert figures.points["7"].rate == pytest.approx(2 ** 1.5)
+    assert figures.traffic.startswith("open loop: Poisson arrivals")
     from pipeline.bench.table import capacity_range
 
     assert capacity_range(figures) == "2.83 req/s"
     row = Row(name="v", recipe="v", scheme="S", format="f", precision="p", weight_bytes=1,
               weight_ratio=1.0, serving="ok", rate_capacity=figures)
     priced = cost.figures(row, 1.0, CostTarget(target_rps=10.0))
-    assert priced["machines_for_target_rps"] == 4  # 10 req/s / 2.83 per machine
-    assert priced["rps_from"] == "the arrival-rate search (open loop)"
-    assert priced["rate_" + cost.USD_PER_MTOK] == pytest.approx(1.0 / (70.0 * 3600) * 1e6)
-    assert cost.USD_PER_MTOK not in priced  # no concurrency search: no users' cost
+    assert priced is not None
+    assert priced.machines_for_target_rps == 4  # 10 req/s / 2.83 per machine
+    assert priced.rps_from == "the arrival-rate search (open loop)"
+    assert priced.rate_usd_per_million_output_tokens == pytest.approx(
+        1.0 / (70.0 * 3600) * 1e6)
+    assert priced.usd_per_million_output_tokens is None  # no concurrency search: no users' cost
 
 
 def test_an_auto_first_rate_is_half_what_one_user_at_a_time_sends(tmp_path):
@@ -391,15 +392,13 @@ def test_an_auto_first_rate_is_half_what_one_user_at_a_time_sends(tmp_path):
 def test_a_derived_first_rate_is_what_the_figures_and_the_table_use(tmp_path):
     """An ``auto`` first rate is derived in the run: the recorded search keeps the rates it
     used, and the figures are in them, not in the file's unset start."""
-    from pipeline.core import tracking
-
     w = workloads.load(str(_write(tmp_path, RATE.replace("rate_start: 1", "rate_start: auto"))))
     assert w.rate_start == 0
     found, _ = search_with(step_curve(7), ceiling=17, bracket_step=4)
     found.update(rate_start=0.75, rate_ceiling=48.0)
     figures = capacity_figures(found, {}, w, {})
-    assert figures[tracking.SLO_MAX_REQUEST_RATE] == pytest.approx(0.75 * 2 ** 1.5)
-    assert figures["points"]["1"]["rate"] == 0.75
+    assert figures.slo_max_request_rate == pytest.approx(0.75 * 2 ** 1.5)
+    assert figures.points["1"].rate == 0.75
 
 
 def test_two_lucky_runs_are_judged_with_the_spread_the_other_points_showed():

@@ -12,7 +12,7 @@ from pipeline.bench.measure import ModelRecord, requests_held, speed_ratios
 from pipeline.bench.slo import PILOT, Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import BenchSummary, ModelBench, WorkloadFigures
+from pipeline.core.artifacts import BenchSummary, Capacity, ModelBench, WorkloadFigures
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import Looks, Speedup, speedup, verdict_of
 from pipeline.core.variant import BASELINE
@@ -175,7 +175,7 @@ def _measured(points: dict[int, list[dict]]) -> dict[int, list[dict]]:
 
 
 def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
-                     kv: dict[str, float]) -> dict:
+                     kv: dict[str, float]) -> Capacity:
     """A search's result, the medians at the capacity found, the throughput at the first
     load shown to miss (the most the capacity's range can reach: the cost's other end), each
     point's SLO attainment, and what limits the capacity."""
@@ -219,7 +219,7 @@ def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload:
         if top is not None:
             out[name + "_at_first_miss"] = top
     out["limited_by"] = limited_by(found, points, workload, kv, slo)
-    return out
+    return Capacity.model_validate(out)
 
 
 def traffic_model(workload: Workload) -> str:
@@ -287,15 +287,12 @@ def _metrics(entry: ModelBench, loads: list[Workload]
             if data.capacity is not None:
                 first = workload is next(w for w in loads if w.slo is not None)
                 name = "" if first else f"{workload.name}."
-                metrics.update({f"{name}{k}": float(v) for k, v in data.capacity.items()
-                                if k.startswith("slo_")
-                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
-                stepped += [(f"{SWEEP}{prefix}{tracking.SLO_ATTAINMENT}", p["attainment"],
-                             int(c)) for c, p in data.capacity["points"].items()]
+                metrics.update({f"{name}{k}": v for k, v in data.capacity.metrics().items()})
+                stepped += [(f"{SWEEP}{prefix}{tracking.SLO_ATTAINMENT}", p.attainment,
+                             int(c)) for c, p in data.capacity.points.items()]
     metrics.update({k: float(v) for k, v in entry.kv.items()})
-    if entry.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
-        metrics[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = entry.engine[
-            tracking.ENGINE_WEIGHT_MEMORY_BYTES]
+    if entry.engine.engine_weight_memory_bytes:
+        metrics[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = entry.engine.engine_weight_memory_bytes
     if entry.peak_memory_bytes:
         metrics[tracking.SERVER_PEAK_MEMORY_BYTES] = entry.peak_memory_bytes
     return metrics, stepped
@@ -314,9 +311,9 @@ def log_runs(summary: BenchSummary, loads: list[Workload], settings: EngineSetti
                   tracking.PARAM_HARDWARE: prof.describe()[:500], **settings.as_params()}
         if entry.serve_command:
             params["serve_command"] = entry.serve_command[:5000]
-        if entry.engine.get("scheme"):
-            params["engine_scheme"] = entry.engine["scheme"][:500]
-            params["engine_kernels"] = "; ".join(entry.engine.get("kernels", []))[:500] or "-"
+        if entry.engine.scheme:
+            params["engine_scheme"] = entry.engine.scheme[:500]
+            params["engine_kernels"] = "; ".join(entry.engine.kernels)[:500] or "-"
         if entry.status != "ok":
             params["serving_reason"] = entry.reason[:500]
             if entry.log:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.workloads import Workload
 from pipeline.core import tracking
-from pipeline.core.artifacts import BenchSummary, ModelBench
+from pipeline.core.artifacts import AttainmentPoint, BenchSummary, Capacity, ModelBench
 
 SPEED_METHOD = ("geometric mean of the per-repeat ratios [interval at the look that decided: "
                 "t on log ratios, sequential], n repeats; faster / slower when the interval "
@@ -53,60 +53,57 @@ def lengths_text(lengths: dict[str, float]) -> str:
             f"{lengths.get('output_tokens_max', 0):.0f}")
 
 
-def capacity_range(capacity: dict) -> str:
+def capacity_range(capacity: Capacity) -> str:
     """``12 [12-13]``, ``>= 32`` (censored: nothing shown to miss up to the ceiling); a rate
     search's in requests/s: ``3.36 [3.36-4] req/s``."""
-    if capacity.get("search_by") == "rate":
-        best, high = capacity[tracking.SLO_MAX_REQUEST_RATE], capacity.get(
-            tracking.SLO_REQUEST_RATE_HIGH)
-        if capacity.get("censored"):
-            return f">= {best:.3g} req/s"
-        return (f"{best:.3g} [{best:.3g}-{high:.3g}] req/s" if high is not None and high != best
-                else f"{best:.3g} req/s")
-    best = capacity[tracking.SLO_MAX_CONCURRENCY]
-    if capacity.get("censored"):
+    if capacity.by_rate:
+        rate, top = capacity.slo_max_request_rate or 0.0, capacity.slo_request_rate_high
+        if capacity.censored:
+            return f">= {rate:.3g} req/s"
+        return (f"{rate:.3g} [{rate:.3g}-{top:.3g}] req/s" if top is not None and top != rate
+                else f"{rate:.3g} req/s")
+    best = capacity.slo_max_concurrency or 0
+    if capacity.censored:
         return f">= {best}"
-    high = capacity.get("capacity_high")
+    high = capacity.capacity_high
     return f"{best} [{best}-{high}]" if high is not None and high != best else str(best)
 
 
-def point_text(concurrency: str | int, point: dict) -> str:
+def point_text(concurrency: str | int, point: AttainmentPoint) -> str:
     """``12: 58/60 = 97% [91-100%] meets``: a load point's attainment, bounds and verdict."""
-    where = f"{point['rate']:.3g}/s" if "rate" in point else str(concurrency)
-    counted = point.get("counted", point.get("sent"))  # "sent": before start waves were left out
-    return (f"{where}: {point['good']}/{counted} = {point['attainment']:.0%} "
-            f"[{point['low']:.0%}-{point['high']:.0%}] {point['verdict']}")
+    where = f"{point.rate:.3g}/s" if point.rate is not None else str(concurrency)
+    return (f"{where}: {point.good}/{point.counted} = {point.attainment:.0%} "
+            f"[{point.low:.0%}-{point.high:.0%}] {point.verdict}")
 
 
-def capacity_text(capacity: dict) -> str:
+def capacity_text(capacity: Capacity) -> str:
     """One model's capacity at the objective, as one line of text."""
-    best = capacity.get(tracking.SLO_MAX_CONCURRENCY, capacity.get(tracking.SLO_MAX_REQUEST_RATE))
-    if best == 0:
-        first = "the lowest rate searched" if capacity.get("search_by") == "rate" else \
-            "concurrency 1"
-        return f"not shown to meet the objective even at {first} ({capacity['limited_by']})"
-    tps = capacity.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
-    unit = "" if capacity.get("search_by") == "rate" else " concurrent requests"
+    if not capacity.best:
+        first = "the lowest rate searched" if capacity.by_rate else "concurrency 1"
+        return f"not shown to meet the objective even at {first} ({capacity.limited_by})"
+    tps = capacity.slo_output_tokens_per_s
+    unit = "" if capacity.by_rate else " concurrent requests"
     text = f"{capacity_range(capacity)}{unit}"
     if tps is not None:
-        text += (f": {capacity[tracking.SLO_REQUESTS_PER_S]:.2f} req/s, {tps:.1f} out tok/s "
-                 f"[{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
-                 f"{capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
-    return f"{text}; limited by {capacity['limited_by']}"
+        text += (f": {capacity.slo_requests_per_s or 0:.2f} req/s, {tps:.1f} out tok/s "
+                 f"[{capacity.slo_output_tokens_per_s_min or tps:.1f}-"
+                 f"{capacity.slo_output_tokens_per_s_max or tps:.1f}]")
+    return f"{text}; limited by {capacity.limited_by}"
 
 
 def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
     slo = workload.slo
     assert slo is not None
-    searched = [e.workloads[workload.name].capacity for e in summary.models.values()
-                if workload.name in e.workloads and e.workloads[workload.name].capacity]
-    objective = searched[0]["objective"] if searched else slo.describe()
-    basis = f" ({searched[0]['objective_basis']})" if searched and searched[0].get(
-        "objective_basis") else ""
+    searched = [found for e in summary.models.values()
+                if workload.name in e.workloads
+                and (found := e.workloads[workload.name].capacity) is not None]
+    objective = searched[0].objective if searched else slo.describe()
+    basis = f" ({searched[0].objective_basis})" if searched and searched[0].objective_basis \
+        else ""
     ceiling = workload.search_ceiling or "what each model's KV cache holds"
     arrivals = "Poisson" if workload.burstiness == 1 else f"gamma ({workload.burstiness:g})"
-    start = searched[0].get("rate_start", workload.rate_start) if searched else 0
-    ceiling_rate = searched[0].get("rate_ceiling", workload.rate_ceiling) if searched else 0
+    start = (searched[0].rate_start or workload.rate_start) if searched else 0
+    ceiling_rate = (searched[0].rate_ceiling or workload.rate_ceiling) if searched else 0
     searched_how = (f"the highest {arrivals} arrival rate shown to meet {objective}{basis} "
                     f"(searched from {start:.3g} req/s, doubling up to {ceiling_rate:.3g}, "
                     "then bisected to steps of "
@@ -124,7 +121,7 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
             if entry.status != "ok":
                 lines.append(f"  {name:10s} not measured ({entry.status}: {entry.reason})")
             continue
-        visited = "; ".join(point_text(c, p) for c, p in data.capacity["points"].items())
+        visited = "; ".join(point_text(c, p) for c, p in data.capacity.points.items())
         lines.append(f"  {name:10s} {capacity_text(data.capacity)}\n  {'':10s} attainment: "
                      f"{visited}")
     return lines

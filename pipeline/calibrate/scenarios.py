@@ -22,7 +22,7 @@ from pipeline.bench.measure import speed_ratios
 from pipeline.bench.slo import CapacitySearch, Objective
 from pipeline.bench.summary import point_figures, speedup_of
 from pipeline.core import tracking
-from pipeline.core.artifacts import CostTarget, Row, TaskEntry
+from pipeline.core.artifacts import Capacity, CostTarget, Row, TaskEntry
 from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided, undecided
 from pipeline.eval import gate, recovery
 from pipeline.report import cost
@@ -258,16 +258,16 @@ def _cost_row(name: str, search: CapacitySearch, tps: Callable[[int], float],
     found = search.result()
     row = Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
               weight_ratio=1.0, serving="ok")
-    row.capacity = {"censored": found["censored"],
-                    tracking.SLO_MAX_CONCURRENCY: found["max_concurrency"]}
     best, miss = points.get(found["max_concurrency"], {}), points.get(found["first_miss"] or -1)
-    for suffix in ("", "_min", "_max"):
-        if best:
-            row.capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + suffix] = best[
-                "output_tokens_per_s" + suffix]
+    figures: dict[str, float] = {
+        tracking.SLO_OUTPUT_TOKENS_PER_S + suffix: best["output_tokens_per_s" + suffix]
+        for suffix in ("", "_min", "_max") if best}
     if miss:
-        row.capacity[tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss"] = miss[
+        figures[tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss"] = miss[
             "output_tokens_per_s_max"]
+    row.capacity = Capacity(workload="capacity", objective="simulated",
+                            censored=found["censored"],
+                            slo_max_concurrency=found["max_concurrency"], **figures)
     row.cost = cost.figures(row, 1.0, CostTarget())
     return row
 
@@ -282,7 +282,7 @@ def cost_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: 
     def draw(rng: np.random.Generator) -> str:
         rows = [_cost_row(n, searched(curve, rng, ceiling, target, runs, requests, run_sd), tps,
                           rng, tps_sd) for n in ("baseline", "v")]
-        if cost.USD_PER_MTOK not in rows[0].cost or cost.USD_PER_MTOK not in rows[1].cost:
+        if any(r.cost is None or r.cost.usd_per_million_output_tokens is None for r in rows):
             return "no cost"
         shown, _ = cost.cheaper(rows[1].cost, rows[0].cost)
         return {True: "cheaper", False: "dearer", None: "not shown cheaper"}[shown]

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.core import paths
 from pipeline.core.errors import ConfigError
@@ -244,6 +251,109 @@ class SensitivityTable(Artifact):
 
 
 # --- bench --------------------------------------------------------------------------------------
+class AttainmentPoint(BaseModel):
+    """One load a capacity search visited: requests within the objective over those counted,
+    its runs and looks, the attainment's bounds and the verdict they gave."""
+
+    model_config = ConfigDict(extra="ignore")
+    good: int
+    counted: int
+    runs: int = 0
+    looks: int = 0
+    attainment: float
+    low: float
+    high: float
+    verdict: str
+    rate: float | None = None  # a rate search: the level's arrival rate (requests/s)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "counted" not in value and "sent" in value:
+            return {**value, "counted": value["sent"]}  # before start-up waves were left out
+        return value
+
+
+class Capacity(BaseModel):
+    """A capacity search at a latency objective, as the bench recorded it: the largest load
+    shown to meet it, the range up to the load below the smallest shown to miss it, every
+    point visited, and the throughput there (figures under their MLflow metric names)."""
+
+    model_config = ConfigDict(extra="ignore")
+    workload: str
+    objective: str
+    objective_basis: str = ""
+    search_by: Literal["concurrency", "rate"] = "concurrency"
+    traffic: str = ""  # the traffic model the capacity assumes, in words
+    max_concurrency: int = 0  # the search's level shown to meet (0: none)
+    capacity_high: int | None = None
+    censored: bool = False  # no load up to the ceiling was shown to miss
+    first_miss: int | None = None
+    ceiling: int | None = None
+    ceiling_from: str = ""
+    target: float = 0.9  # the attainment the objective asks for
+    alpha_look: float | None = None
+    undecided: list[int] = Field(default_factory=list)
+    rate_start: float | None = None
+    rate_ceiling: float | None = None
+    points: dict[str, AttainmentPoint] = Field(default_factory=dict)
+    bounds: dict[str, float] = Field(default_factory=dict)  # the latency bounds, by figure
+    limited_by: str = ""
+    slo_max_concurrency: int | None = None
+    slo_capacity_high: int | None = None
+    slo_max_request_rate: float | None = None
+    slo_request_rate_high: float | None = None
+    slo_attainment: float | None = None
+    slo_attainment_low: float | None = None
+    slo_requests_per_s: float | None = None
+    slo_requests_per_s_min: float | None = None
+    slo_requests_per_s_max: float | None = None
+    slo_requests_per_s_at_first_miss: float | None = None
+    slo_output_tokens_per_s: float | None = None
+    slo_output_tokens_per_s_min: float | None = None
+    slo_output_tokens_per_s_max: float | None = None
+    slo_output_tokens_per_s_at_first_miss: float | None = None
+    slo_goodput_requests_per_s: float | None = None
+    slo_goodput_requests_per_s_min: float | None = None
+    slo_goodput_requests_per_s_max: float | None = None
+    # in a comparison row: the bounded latencies at each point, the run it comes from, and
+    # whether it was searched at another objective than the comparison's (shown, not ranked)
+    curve: dict[int, dict[str, float]] = Field(default_factory=dict)
+    measurement: str = ""
+    other_objective: bool = False
+
+    @property
+    def by_rate(self) -> bool:
+        return self.search_by == "rate"
+
+    @property
+    def best(self) -> float | None:
+        """The capacity: concurrent users, or requests/s for a rate search."""
+        return self.slo_max_request_rate if self.by_rate else self.slo_max_concurrency
+
+    def metrics(self) -> dict[str, float]:
+        """Its figures under their MLflow metric names (``slo_*``)."""
+        return {k: float(v) for k, v in self.model_dump().items()
+                if k.startswith("slo_") and v is not None}
+
+
+class EngineUse(BaseModel):
+    """What a served model's engine chose and used, from its log and metrics."""
+
+    model_config = ConfigDict(extra="ignore")
+    scheme: str = ""
+    kernels: list[str] = Field(default_factory=list)
+    fp8_weight_only: bool = False
+    enforce_eager: bool | None = None
+    devices: int = 1  # TP x PP
+    engine_weight_memory_bytes: int | None = None  # one worker's "Model loading took" x devices
+    engine_weight_memory_bytes_per_device: int | None = None
+    kv_cache_dtype: str = ""
+    kv_budget_source: str = ""
+    kernels_by_layer: dict[str, str] = Field(default_factory=dict)  # W4A16 on a GPU
+    kernels_by_layer_text: str = ""
+
+
 class WorkloadFigures(BaseModel):
     """One model's figures for one workload: per load point, and the cache counters."""
 
@@ -255,7 +365,7 @@ class WorkloadFigures(BaseModel):
     prefix_cache_expected_hit_rate: float | None = None
     prefix_cache_ttft_speedup: float | None = None
     # a capacity search (workload with an slo): its objective, result and the figures at it
-    capacity: dict[str, Any] | None = None
+    capacity: Capacity | None = None
     # a prompt file's requests as sent: their count and token lengths (p50, p90, max)
     lengths: dict[str, float] | None = None
 
@@ -277,7 +387,7 @@ class ModelBench(BaseModel):
     reason: str = ""
     log: str = ""
     kv: dict[str, float] = Field(default_factory=dict)
-    engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
+    engine: EngineUse = Field(default_factory=EngineUse)
     peak_memory_bytes: int = 0
     workloads: dict[str, WorkloadFigures] = Field(default_factory=dict)
 
@@ -454,10 +564,43 @@ class Prediction(BaseModel):
     basis: str
 
 
+class CostFigures(BaseModel):
+    """What a row costs per million output tokens at its capacity (and, ``rate_``, at its
+    arrival-rate capacity), with the range from the capacity's; a censored capacity gives only
+    the dearest end, an upper bound (``cost_bound``); and the machines a target load needs."""
+
+    model_config = ConfigDict(extra="ignore")
+    price_per_hour: float
+    usd_per_million_output_tokens: float | None = None
+    usd_per_million_output_tokens_min: float | None = None
+    usd_per_million_output_tokens_max: float | None = None
+    cost_bound: Literal["upper"] | None = None
+    rate_usd_per_million_output_tokens: float | None = None
+    rate_usd_per_million_output_tokens_min: float | None = None
+    rate_usd_per_million_output_tokens_max: float | None = None
+    rate_cost_bound: Literal["upper"] | None = None
+    machines_for_target_users: int | None = None
+    planned_devices_for_target_users_kv: int | None = None
+    machines_for_target_rps: int | None = None
+    rps_from: str = ""
+
+    def at(self, prefix: str = "") -> tuple[float | None, float | None, float | None, bool]:
+        """(cost, cheapest, dearest, an upper bound only) of the concurrency search's figures,
+        or the rate search's (``prefix="rate_"``)."""
+        key = f"{prefix}usd_per_million_output_tokens"
+        return (getattr(self, key), getattr(self, key + "_min"), getattr(self, key + "_max"),
+                getattr(self, prefix + "cost_bound") == "upper")
+
+    def metrics(self) -> dict[str, float]:
+        """Its figures under their MLflow metric names."""
+        return {k: float(v) for k, v in self.model_dump().items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+
+
 class Row(BaseModel):
     """Everything known about one model of a comparison."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
     name: str  # "baseline" or the recipe
     recipe: str  # "none" for the baseline
     scheme: str
@@ -474,12 +617,12 @@ class Row(BaseModel):
     headline: dict[str, float] = Field(default_factory=dict)  # bench stats at the headline
     sweep: dict[int, dict[str, float]] = Field(default_factory=dict)  # load point -> stats
     crossover: str = ""  # where the speedup crosses 1 across the sweep, as a sentence
-    capacity: dict[str, Any] = Field(default_factory=dict)  # at the latency objective: users
-    rate_capacity: dict[str, Any] = Field(default_factory=dict)  # and requests/s (a rate search)
-    cost: dict[str, Any] = Field(default_factory=dict)  # per million tokens, machines needed
+    capacity: Capacity | None = None  # at the latency objective: users
+    rate_capacity: Capacity | None = None  # and requests/s (a rate search)
+    cost: CostFigures | None = None  # per million tokens, machines needed
     price: Price | None = None  # the hourly price of what its run's server used
     kv: dict[str, float] = Field(default_factory=dict)
-    engine: dict[str, Any] = Field(default_factory=dict)  # what the engine chose and used
+    engine: EngineUse = Field(default_factory=EngineUse)  # what the engine chose and used
     peak_memory_bytes: int = 0
     prefix: dict[str, float] = Field(default_factory=dict)
     eval_backend: str | None = None  # served | emulated | None (not evaluated)
@@ -496,7 +639,8 @@ class Row(BaseModel):
     comparable: bool = True  # measured in the comparison's reference run: same baseline run,
     # workload and load point as every other comparable row
 
-    @field_validator("plan", "price", "search", mode="before")
+    @field_validator("plan", "price", "search", "capacity", "rate_capacity", "cost",
+                     mode="before")
     @classmethod
     def _none_for_empty(cls, value: Any) -> Any:
         return None if value == {} else value  # as comparisons before these were typed say

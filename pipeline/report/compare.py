@@ -165,7 +165,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                 row.comparable = False
                 row.notes.append(f"speed from {row.measurement}, {basis}, so it is shown but "
                                  "not compared, priced against the others or recommended")
-            if row.serving == "ok" and not (row.capacity and row.rate_capacity):
+            if row.serving == "ok" and (row.capacity is None or row.rate_capacity is None):
                 newest_capacity(row, identities[row.name], summaries, measured_on, prices,
                                  cost_target)
             if row.serving == "failed":
@@ -188,10 +188,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     for row in rows:
         if row.serving == "ok" and row.comparable and row.name in prices:
             row.price = prices[row.name]
-            ranked = row.model_copy(update={
-                f: {} for f in ("capacity", "rate_capacity")
-                if getattr(row, f).get("other_objective")})
-            row.cost = cost.figures(ranked, row.price.price_per_hour, cost_target)
+            row.cost = cost.figures(row, row.price.price_per_hour, cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       plan_target=target, cost_target=cost_target, price=priced,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import BenchSummary, CostTarget, Price, Row
+from pipeline.core import hardware
+from pipeline.core.artifacts import BenchSummary, Capacity, CostFigures, CostTarget, Price, Row
 from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.serve.settings import EngineSettings
 
@@ -78,29 +78,30 @@ def per_million_tokens(price_per_hour: float, output_tokens_per_s: float) -> flo
     return price_per_hour / (output_tokens_per_s * 3600) * 1e6
 
 
-def _priced(cap: dict[str, Any], price_per_hour: float, prefix: str = "") -> dict[str, Any]:
+def _priced(cap: Capacity, price_per_hour: float, prefix: str = "") -> dict[str, Any]:
     """The cost at one search's capacity (``prefix``: ``rate_`` for a rate search's): at the
     median throughput there, the dearest end from its slowest run, the cheapest from the fastest
     run at the first level shown to miss; a censored search gives only the dearest end, an
     upper bound (``cost_bound: upper``)."""
-    tps = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S)
+    tps = cap.slo_output_tokens_per_s
     if not tps:
         return {}
     key = prefix + USD_PER_MTOK
     out: dict[str, Any] = {key: per_million_tokens(price_per_hour, tps)}
-    slowest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_min") or tps
+    slowest = cap.slo_output_tokens_per_s_min or tps
     out[key + "_max"] = per_million_tokens(price_per_hour, slowest)
-    if cap.get("censored"):
+    if cap.censored:
         out[prefix + "cost_bound"] = "upper"
     else:
-        fastest = cap.get(tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss") or cap.get(
-            tracking.SLO_OUTPUT_TOKENS_PER_S + "_max") or tps
+        fastest = cap.slo_output_tokens_per_s_at_first_miss or \
+            cap.slo_output_tokens_per_s_max or tps
         out[key + "_min"] = per_million_tokens(price_per_hour, max(fastest, tps))
     return out
 
 
-def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, Any]:
-    """The cost figures of one row (empty when it has no capacity at the objective).
+def figures(row: Row, price_per_hour: float, target: CostTarget) -> CostFigures | None:
+    """The cost figures of one row (None when it has no capacity at the objective to rank: a
+    capacity searched at another objective is not priced).
 
     The cost at the capacity (the largest load shown to meet the objective) and its range
     (:func:`_priced`), from the concurrency search and, prefixed ``rate_``, from the arrival-rate
@@ -108,15 +109,18 @@ def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, An
     from the rate search where there is one (open-loop arrivals, what a fleet is sized by),
     else from the concurrency search's requests/s (closed loop), said in ``rps_from``. A
     censored capacity's cost is an upper bound, never ranked as exact."""
-    cap, rate = row.capacity, row.rate_capacity
-    users = cap.get(tracking.SLO_MAX_CONCURRENCY) if cap else 0
-    max_rate = rate.get(tracking.SLO_MAX_REQUEST_RATE) if rate else 0.0
+    cap = row.capacity if row.capacity is not None and not row.capacity.other_objective \
+        else None
+    rate = row.rate_capacity if row.rate_capacity is not None and \
+        not row.rate_capacity.other_objective else None
+    users = (cap.slo_max_concurrency or 0) if cap is not None else 0
+    max_rate = (rate.slo_max_request_rate or 0.0) if rate is not None else 0.0
     if not users and not max_rate:
-        return {}
+        return None
     out: dict[str, Any] = {"price_per_hour": price_per_hour}
-    if users:
+    if cap is not None and users:
         out.update(_priced(cap, price_per_hour))
-    if max_rate:
+    if rate is not None and max_rate:
         out.update(_priced(rate, price_per_hour, "rate_"))
     if target.target_users and users:
         out["machines_for_target_users"] = math.ceil(target.target_users / users)
@@ -124,40 +128,43 @@ def figures(row: Row, price_per_hour: float, target: CostTarget) -> dict[str, An
         if planned:
             out["planned_devices_for_target_users_kv"] = math.ceil(target.target_users / planned)
     rps, source = (max_rate, "the arrival-rate search (open loop)") if max_rate else (
-        cap.get(tracking.SLO_REQUESTS_PER_S) if users else 0.0,
+        (cap.slo_requests_per_s or 0.0) if cap is not None and users else 0.0,
         "the concurrency search's requests/s (closed loop)")
     if target.target_rps and rps:
         out["machines_for_target_rps"] = math.ceil(target.target_rps / rps)
         out["rps_from"] = source
-    return out
+    return CostFigures.model_validate(out)
 
 
-def cheaper(variant: dict[str, Any], baseline: dict[str, Any]) -> tuple[bool | None, str]:
+def cheaper(variant: CostFigures, baseline: CostFigures | None) -> tuple[bool | None, str]:
     """Whether a variant is shown cheaper than the baseline: its dearest end below the
     baseline's cheapest (True), its cheapest above the baseline's dearest (False), else
     None; with the reason in words."""
-    if USD_PER_MTOK not in baseline:
+    if baseline is None or baseline.usd_per_million_output_tokens is None:
         return None, "the baseline has no cost figure (no capacity at the objective)"
-    v_high, b_low = variant[USD_PER_MTOK + "_max"], baseline.get(USD_PER_MTOK + "_min")
+    _, v_low, v_high, _ = variant.at()
+    _, b_low, b_high, _ = baseline.at()
+    assert v_high is not None and b_high is not None
     if b_low is None:
         return None, ("the baseline's capacity reached the search ceiling: its cost is only an "
-                      f"upper bound (<= ${baseline[USD_PER_MTOK + '_max']:.2f})")
+                      f"upper bound (<= ${b_high:.2f})")
     if v_high < b_low:
         return True, f"${v_high:.2f} at most against the baseline's ${b_low:.2f} at least"
-    v_low = variant.get(USD_PER_MTOK + "_min")
-    if v_low is not None and v_low > baseline[USD_PER_MTOK + "_max"]:
+    if v_low is not None and v_low > b_high:
         return False, (f"dearer than the baseline: ${v_low:.2f} at least against its "
-                       f"${baseline[USD_PER_MTOK + '_max']:.2f} at most")
+                       f"${b_high:.2f} at most")
     return None, (f"its cost range {range_text(variant)} overlaps the baseline's "
                   f"{range_text(baseline)}")
 
 
-def range_text(c: dict[str, Any], prefix: str = "", unit: str = "$") -> str:
+def range_text(c: CostFigures | None, prefix: str = "", unit: str = "$") -> str:
     """``$0.12 [0.10-0.15]``, or ``<= $0.15`` for a censored capacity's bound (``prefix``:
     ``rate_`` for the rate search's; ``unit: ""`` where a column header says USD)."""
-    key = prefix + USD_PER_MTOK
-    if key not in c:
+    if c is None:
         return "-"
-    if c.get(prefix + "cost_bound") == "upper":
-        return f"<= {unit}{c[key + '_max']:.2f}"
-    return f"{unit}{c[key]:.2f} [{c[key + '_min']:.2f}-{c[key + '_max']:.2f}]"
+    mid, low, high, bound = c.at(prefix)
+    if mid is None or high is None:
+        return "-"
+    if bound or low is None:
+        return f"<= {unit}{high:.2f}"
+    return f"{unit}{mid:.2f} [{low:.2f}-{high:.2f}]"

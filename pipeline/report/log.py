@@ -36,8 +36,8 @@ def child_metrics(row: Row) -> dict[str, float]:
                 tracking.KV_CACHE_MEMORY_BYTES):
         if key in row.kv:
             m[key] = row.kv[key]
-    if row.engine.get(tracking.ENGINE_WEIGHT_MEMORY_BYTES):
-        m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES]
+    if row.engine.engine_weight_memory_bytes:
+        m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine.engine_weight_memory_bytes
     if row.plan is not None:  # at the campaign's plan target (the parent's plan_* params)
         m.update(row.plan.model_dump())
     if row.serving == "ok":
@@ -45,11 +45,12 @@ def child_metrics(row: Row) -> dict[str, float]:
         if row.peak_memory_bytes:
             m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
         m.update(row.prefix)
-        numbers = {**{k: v for k, v in row.capacity.items() if k.startswith("slo_")},
-                   **{f"rate.{k}": v for k, v in row.rate_capacity.items()
-                      if k.startswith("slo_")}, **row.cost}
-        m.update({k: float(v) for k, v in numbers.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if row.capacity is not None:
+            m.update(row.capacity.metrics())
+        if row.rate_capacity is not None:
+            m.update({f"rate.{k}": v for k, v in row.rate_capacity.metrics().items()})
+        if row.cost is not None:
+            m.update(row.cost.metrics())
     for suite, fig in row.suites.items():
         if fig.recovery_pct is not None:
             m[f"{tracking.SUITE_RECOVERY_PREFIX}{suite}"] = fig.recovery_pct
@@ -76,10 +77,10 @@ def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
     if row.measurement:
         params["measurement"] = row.measurement
         params["comparable"] = row.comparable
-    if row.engine.get("scheme"):
-        params["engine_scheme"] = row.engine["scheme"][:500]
-    if row.engine.get("kernels_by_layer_text"):
-        params["engine_kernels_by_layer"] = row.engine["kernels_by_layer_text"][:500]
+    if row.engine.scheme:
+        params["engine_scheme"] = row.engine.scheme[:500]
+    if row.engine.kernels_by_layer_text:
+        params["engine_kernels_by_layer"] = row.engine.kernels_by_layer_text[:500]
     return params
 
 

@@ -160,24 +160,26 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
     target (first panel), then each bounded latency percentile against load with the
     objective drawn as a line; each model's capacity circled."""
     plt = _pyplot()
-    rows = [r for r in comparison.rows if r.serving == "ok" and r.capacity.get("points")]
-    bounds = rows[0].capacity.get("bounds", {}) if rows else {}
+    found = [(r, r.capacity) for r in comparison.rows
+             if r.serving == "ok" and r.capacity is not None and r.capacity.points]
+    rows = [r for r, _ in found]
+    bounds = found[0][1].bounds if found else {}
     panels = 1 + len(bounds)
     fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2), squeeze=False)
     ax = axes[0][0]
-    for row in rows:
-        points = {int(c): p for c, p in row.capacity["points"].items() if isinstance(p, dict)}
+    for row, cap in found:
+        points = {int(c): p for c, p in cap.points.items()}
         xs = sorted(points)
-        ys = [points[c]["attainment"] for c in xs]
-        err = [[y - points[c]["low"] for c, y in zip(xs, ys, strict=True)],
-               [points[c]["high"] - y for c, y in zip(xs, ys, strict=True)]]
+        ys = [points[c].attainment for c in xs]
+        err = [[y - points[c].low for c, y in zip(xs, ys, strict=True)],
+               [points[c].high - y for c, y in zip(xs, ys, strict=True)]]
         line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=row.name)[0]
-        best = row.capacity.get("slo_max_concurrency")
+        best = cap.slo_max_concurrency
         if best in points:
-            ax.scatter([best], [points[best]["attainment"]], s=90, facecolors="none",
+            ax.scatter([best], [points[best].attainment], s=90, facecolors="none",
                        edgecolors=line.get_color(), zorder=3)
-    if rows:
-        target = rows[0].capacity.get("target", 0.9)
+    if found:
+        target = found[0][1].target
         ax.axhline(target, color="#c44", lw=1, ls="--", label=f"target {target:.0%}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max concurrency (circled: the capacity found)")
@@ -186,12 +188,12 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
     if rows:
         ax.legend(fontsize=6)
     for ax, (key, bound) in zip(axes[0][1:], bounds.items(), strict=False):
-        for row in rows:
-            curve = {int(c): v for c, v in row.capacity.get("curve", {}).items() if key in v}
+        for row, cap in found:
+            curve = {int(c): v for c, v in cap.curve.items() if key in v}
             points = sorted(curve)
             line = ax.plot(points, [curve[p][key] for p in points], marker="o",
                            label=row.name)[0]
-            best = row.capacity.get("slo_max_concurrency")
+            best = cap.slo_max_concurrency
             if best in curve:
                 ax.scatter([best], [curve[best][key]], s=90, facecolors="none",
                            edgecolors=line.get_color(), zorder=3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.table import capacity_range
 from pipeline.core import tracking
@@ -10,7 +12,7 @@ from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate
 from pipeline.report import cost
-from pipeline.report.cost import USD_PER_MTOK, price_text
+from pipeline.report.cost import price_text
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_TEXT", "recommend"]
 SPEED_BASIS = "geometric mean [interval], t on log ratios, sequential"
@@ -60,14 +62,15 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
         return f"passes its gate but was not served here ({why})"
     if not row.comparable:
         return f"passes its gate but its speed is from another measurement ({row.measurement})"
-    if objective == "cost" and USD_PER_MTOK not in row.cost:
+    if objective == "cost" and (row.cost is None or
+                                row.cost.usd_per_million_output_tokens is None):
         why = ("its capacity is at another objective than the baseline's"
-               if row.capacity.get("other_objective") else
+               if row.capacity is not None and row.capacity.other_objective else
                "its capacity at the latency objective was not measured or is 0 (the capacity "
                "search: make all OBJECTIVE=cost runs it, or make bench WORKLOAD=capacity)")
         return f"passes its gate but has no cost figure: {why}"
     if objective == "cost":
-        shown, why = cost.cheaper(row.cost, base.cost if base is not None else {})
+        shown, why = cost.cheaper(row.cost, base.cost if base is not None else None)
         if not shown:
             verdict = "is not cheaper than the baseline" if shown is False else \
                 "is not shown cheaper than the baseline"
@@ -114,7 +117,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
     elif objective == "cost":  # the cost each is shown to stay under
-        best = min(eligible, key=lambda r: r.cost[USD_PER_MTOK + "_max"])
+        best = min(eligible, key=lambda r: r.cost.at()[2] if r.cost else math.inf)
     else:
         best = max(eligible, key=lambda r: (r.plan.planned_max_concurrency_paged if r.plan else 0,
                                             -r.weight_bytes))
@@ -124,7 +127,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     if best.plan:
         reason += (f", {best.plan.planned_max_concurrency_paged:,} concurrent "
                    "requests planned")
-    if USD_PER_MTOK in best.cost:
+    if best.cost and best.cost.usd_per_million_output_tokens is not None and best.capacity:
         reason += (f", {cost.range_text(best.cost)} per million output tokens at "
                    f"{capacity_range(best.capacity)} concurrent requests within the latency "
                    f"objective (capacity measured; priced at {price_text(best.price)})")

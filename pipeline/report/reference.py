@@ -5,9 +5,8 @@ other hardware are never comparable; capacity searches made in other runs, at on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from pipeline.core.artifacts import BenchSummary, CostTarget, ModelBench, Price, Row
+from pipeline.core.artifacts import BenchSummary, Capacity, CostTarget, ModelBench, Price, Row
 from pipeline.core.variant import BASELINE
 from pipeline.report import cost, crossover
 
@@ -58,16 +57,16 @@ def compared_as(summary: BenchSummary, in_reference: bool, baseline_identity: st
             "another baseline run (`make bench` measures every variant in one run)")
 
 
-def capacity_of(entry: ModelBench, by: str = "concurrency") -> dict[str, Any]:
+def capacity_of(entry: ModelBench, by: str = "concurrency") -> Capacity | None:
     """A model's first capacity search over ``by`` (concurrency, or the arrival rate), with
     the bounded latencies at each point it visited."""
     for name, figures in entry.workloads.items():
-        if figures.capacity is not None and figures.capacity.get(
-                "search_by", "concurrency") == by:
-            bounds = figures.capacity.get("bounds", {})
-            return {"workload": name, **figures.capacity, "curve": {
-                c: {k: st[k] for k in bounds if k in st} for c, st in figures.points.items()}}
-    return {}
+        found = figures.capacity
+        if found is not None and found.search_by == by:
+            return found.model_copy(update={"workload": name, "curve": {
+                c: {k: st[k] for k in found.bounds if k in st}
+                for c, st in figures.points.items()}})
+    return None
 
 
 def newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSummary]],
@@ -81,12 +80,13 @@ def newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSu
             continue
         for path, summary in summaries:  # newest first
             entry = holds(summary, row.name, identity)
-            found = capacity_of(entry, by) if entry is not None and entry.status == "ok" else {}
-            if found and summary.hardware.get("key") == hardware_key:
+            found = capacity_of(entry, by) if entry is not None and entry.status == "ok" \
+                else None
+            if found is not None and summary.hardware.get("key") == hardware_key:
                 prices.setdefault(row.name, cost.price_of(target, cost.devices_of(summary)))
-                setattr(row, field, {**found, "measurement": measurement_label(path, summary)})
-                row.notes.append(f"capacity at the objective ({by}) from "
-                                 f"{getattr(row, field)['measurement']}")
+                label = measurement_label(path, summary)
+                setattr(row, field, found.model_copy(update={"measurement": label}))
+                row.notes.append(f"capacity at the objective ({by}) from {label}")
                 break
 
 
@@ -94,16 +94,16 @@ def one_objective(rows: list[Row], field: str = "capacity") -> None:
     """Capacities (``field``: ``capacity`` or ``rate_capacity``) are compared at one objective
     and workload: the baseline's (else the first row's). A row searched at another is shown as
     such and gets no cost to rank."""
-    searched = [r for r in rows if getattr(r, field)]
-    base = next((r for r in searched if r.name == BASELINE), searched[0] if searched else None)
+    searched = [(r, cap) for r in rows if (cap := getattr(r, field)) is not None]
+    base = next((cap for r, cap in searched if r.name == BASELINE),
+                searched[0][1] if searched else None)
     if base is None:
         return
-    basis = (getattr(base, field).get("workload"), getattr(base, field).get("objective"))
-    for row in searched:
-        cap = getattr(row, field)
-        other = (cap.get("workload"), cap.get("objective"))
+    basis = (base.workload, base.objective)
+    for row, cap in searched:
+        other = (cap.workload, cap.objective)
         if other != basis:
-            cap["other_objective"] = True
+            setattr(row, field, cap.model_copy(update={"other_objective": True}))
             row.notes.append(f"capacity searched at {other[1]} (workload {other[0]}), not at the "
                              f"comparison's {basis[1]} (workload {basis[0]}): shown, not ranked "
                              "or priced against the others")
@@ -141,12 +141,11 @@ def apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[str
     first = next((w for w in workloads if summary.headline.get(w)), workloads[0])
     head = summary.headline.get(first) or None
     row.serving, row.serving_reason, row.serving_log = entry.status, entry.reason, entry.log
-    row.kv, row.engine = dict(entry.kv), dict(entry.engine)
-    if row.engine.get("fp8_weight_only"):
-        row.notes.append(f"served as {row.engine['scheme']}: its speed is not an FP8 W8A8 "
-                         "speed")
-    if row.engine.get("kernels_by_layer_text"):
-        row.notes.append(f"served on {row.engine['kernels_by_layer_text']}")
+    row.kv, row.engine = dict(entry.kv), entry.engine
+    if row.engine.fp8_weight_only:
+        row.notes.append(f"served as {row.engine.scheme}: its speed is not an FP8 W8A8 speed")
+    if row.engine.kernels_by_layer_text:
+        row.notes.append(f"served on {row.engine.kernels_by_layer_text}")
     row.peak_memory_bytes = entry.peak_memory_bytes
     data = entry.workloads.get(first)
     row.sweep = dict(data.points) if data else {}

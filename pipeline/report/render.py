@@ -65,15 +65,15 @@ def _speed_cell(row: Row) -> str:
 
 def _rated(comparison: Comparison) -> bool:
     """Whether any row has a rate search (its columns are shown then)."""
-    return any(r.rate_capacity for r in comparison.rows)
+    return any(r.rate_capacity is not None for r in comparison.rows)
 
 
 def _capacity_cell(row: Row, field: str = "capacity") -> str:
     cap = getattr(row, field)
-    if row.serving != "ok" or not cap:
+    if row.serving != "ok" or cap is None:
         return "-"
     cell = capacity_range(cap)
-    return cell + (" (other objective, not ranked)" if cap.get("other_objective") else "")
+    return cell + (" (other objective, not ranked)" if cap.other_objective else "")
 
 
 def _cost_cell(row: Row, prefix: str = "") -> str:
@@ -173,10 +173,10 @@ def _count(n: int, noun: str) -> str:
 def capacity_lines(comparison: Comparison) -> list[str]:
     """What 'users @objective' and the cost column mean, and the crossover of each variant."""
     out = []
-    searched = next((r.capacity for r in comparison.rows if r.capacity), {})
-    objective = searched.get("objective")
-    if objective and searched.get("objective_basis"):
-        objective += f" ({searched['objective_basis']})"
+    searched = next((r.capacity for r in comparison.rows if r.capacity is not None), None)
+    objective = searched.objective if searched is not None else None
+    if searched is not None and objective and searched.objective_basis:
+        objective += f" ({searched.objective_basis})"
     where = comparison.hardware or "the machine of the bench run"
     if objective:
         out.append(f"users @objective: the highest max concurrency shown to meet {objective} "
@@ -186,13 +186,15 @@ def capacity_lines(comparison: Comparison) -> list[str]:
                    "its cost: the hourly price of the devices that run's server used over the "
                    "output tokens/s measured there [from the slowest run there to the fastest at "
                    "the first load shown to miss; <= a bound where the search was censored]")
-    rated = next((r.rate_capacity for r in comparison.rows if r.rate_capacity), {})
-    if rated.get("objective"):
-        basis = f" ({rated['objective_basis']})" if rated.get("objective_basis") else ""
+    rated = next((r.rate_capacity for r in comparison.rows if r.rate_capacity is not None),
+                 None)
+    if rated is not None and rated.objective:
+        basis = f" ({rated.objective_basis})" if rated.objective_basis else ""
+        closed = searched.traffic if searched is not None and searched.traffic else \
+            "a closed loop"
         out.append(f"req/s @objective: the highest arrival rate shown to meet "
-                   f"{rated['objective']}{basis} ({rated.get('traffic', 'open loop')}); users "
-                   f"@objective assumes {searched.get('traffic', 'a closed loop')}; each cost is "
-                   "at its own search's capacity")
+                   f"{rated.objective}{basis} ({rated.traffic or 'open loop'}); users "
+                   f"@objective assumes {closed}; each cost is at its own search's capacity")
     sources = {(price_text(r.price), r.price.source or "?") for r in comparison.rows
                if r.price is not None}
     for label, source in sorted(sources):
@@ -202,20 +204,20 @@ def capacity_lines(comparison: Comparison) -> list[str]:
     target = comparison.cost_target
     for row in comparison.rows:
         cap, c = row.capacity, row.cost
-        if cap and row.serving == "ok":
-            out.append(f"{row.name}: capacity limited by {cap.get('limited_by', '?')}")
-        if c.get("machines_for_target_users"):
-            planned = c.get("planned_devices_for_target_users_kv")
+        if cap is not None and row.serving == "ok":
+            out.append(f"{row.name}: capacity limited by {cap.limited_by or '?'}")
+        if c is not None and c.machines_for_target_users:
+            planned = c.planned_devices_for_target_users_kv
             out.append(f"{row.name}: {target.target_users:,} concurrent users need "
-                       f"{_count(c['machines_for_target_users'], 'machine')} like the one "
+                       f"{_count(c.machines_for_target_users, 'machine')} like the one "
                        "measured (its capacity measured there)"
                        + (f"; on {comparison.planned_on} the KV cache alone needs at least "
                           f"{_count(planned, 'device')} (planned; its latency there is not "
                           "measured)" if planned else ""))
-        if c.get("machines_for_target_rps"):
+        if c is not None and c.machines_for_target_rps:
             out.append(f"{row.name}: {target.target_rps:g} requests/s need "
-                       f"{_count(c['machines_for_target_rps'], 'machine')} like the one "
-                       f"measured (from {c.get('rps_from', 'its capacity measured there')})")
+                       f"{_count(c.machines_for_target_rps, 'machine')} like the one "
+                       f"measured (from {c.rps_from or 'its capacity measured there'})")
         if row.crossover and row.comparable:
             out.append(f"{row.name}: {row.crossover}")
     return out
@@ -318,17 +320,18 @@ def csv_text(comparison: Comparison) -> str:
                 row.plan.planned_max_concurrency_worst_case if row.plan else None,
             "serving_status": row.serving, "eval_backend": row.eval_backend or "",
             "gate": "" if row.name == BASELINE else row.gate_status,
-            "threshold_pct": row.threshold, "engine_scheme": row.engine.get("scheme", ""),
-            tracking.ENGINE_WEIGHT_MEMORY_BYTES: row.engine.get(
-                tracking.ENGINE_WEIGHT_MEMORY_BYTES),
+            "threshold_pct": row.threshold, "engine_scheme": row.engine.scheme,
+            tracking.ENGINE_WEIGHT_MEMORY_BYTES: row.engine.engine_weight_memory_bytes,
             tracking.KV_CACHE_MEMORY_BYTES: row.kv.get(tracking.KV_CACHE_MEMORY_BYTES),
             "measurement": row.measurement, "comparable": row.comparable,
             "kl_div_mean": row.divergence.get("kl_div_mean"),
             "predicted_kl": row.search.predicted_kl if row.search else None,
             "price_per_hour": row.price.price_per_hour if row.price else None,
             "price_basis": price_basis(row.price)}
+        searched = [found.model_dump(exclude_none=True) if found is not None else {}
+                    for found in (row.capacity, row.rate_capacity, row.cost)]
         for key in CSV_FIELDS:
-            for source in (h, row.capacity, row.rate_capacity, row.cost):
+            for source in (h, *searched):
                 if key in source and key not in record:
                     record[key] = source[key]
         for s in suites:
