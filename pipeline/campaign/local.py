@@ -26,6 +26,7 @@ from pipeline.core.hardware import serve_target
 from pipeline.core.settings import to_argv
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint
+from pipeline.quantize import stage as quantize_stage
 from pipeline.quantize.settings import QuantizeSettings
 from pipeline.quantize.stage import cache_key, is_current, recipe_for
 from pipeline.serve import ServerPool
@@ -93,9 +94,7 @@ def in_process(label: str, command: str, call: Callable[[], object]) -> list[Fai
 
 
 def quantize_in_process(q: QuantizeSettings) -> None:
-    from pipeline.quantize import stage as quantize
-
-    quantize.run(q)
+    quantize_stage.run(q)
 
 
 def _needs_work(q: QuantizeSettings, base: baselines.Baseline) -> tuple[bool, bool]:

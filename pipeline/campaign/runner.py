@@ -29,6 +29,7 @@ from pipeline.core import paths, tracking
 from pipeline.core.artifacts import Comparison, Failure
 from pipeline.core.errors import QpipeError
 from pipeline.quantize import baseline as baselines
+from pipeline.quantize import recipes
 from pipeline.quantize.settings import QuantizeSettings
 
 log = qlog.get("all")
@@ -86,8 +87,6 @@ def _is_search(workload: str) -> bool:
 
 
 def _for_this_baseline(recipe: str, base: baselines.Baseline) -> bool:
-    from pipeline.quantize import recipes
-
     searched_for = recipes.load(recipe, paths.RECIPES_DIR).searched_for
     if searched_for and searched_for != base.identity:
         log.info(f"recipe {recipe}: left out, searched for another baseline ({searched_for})")

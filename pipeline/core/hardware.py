@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import ConfigError
+
 ISA_ENV = "QPIPE_VLLM_CPU_ISA"
 ISAS = ("native", "avx512", "avx2")
 # The flags that decide which kernels vLLM CPU and torch use (as /proc/cpuinfo spells them).
@@ -173,8 +175,6 @@ def forced_isa() -> str:
     """The ISA the serving processes are made to see (``QPIPE_VLLM_CPU_ISA``), or native."""
     value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if value not in ISAS:
-        from pipeline.core.errors import ConfigError
-
         raise ConfigError(f"{ISA_ENV}={value!r} is not one of {', '.join(ISAS)} (VLLM_CPU_ISA= "
                           "in make): avx2 makes vLLM CPU load its AVX2 kernels on any x86 CPU.")
     return value

@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.core import hardware
 from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import write_json_atomic
 from pipeline.core.heldout import HELDOUT, SEQ_LEN, heldout_text, token_stats, windows
 
 BACKEND = "hf (transformers, de-compressed weights)"
@@ -100,8 +101,6 @@ def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path 
     log-probabilities are computed once and kept for every variant (the forward passes are
     most of the cost: ~3 s per 512-token window of a 135M model in bf16 on 2 cores)."""
     from transformers import AutoTokenizer
-
-    from pipeline.core.fsutil import write_json_atomic
 
     results = {variant_dir: Divergence(**json.loads(cache.read_text()))
                for variant_dir, cache in variants.items() if cache.is_file()}
