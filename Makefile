@@ -57,8 +57,10 @@ SLO_ITL_MS    ?=
 PRICE_PER_HOUR ?=
 TARGET_USERS  ?=
 TARGET_RPS    ?=
-# precision search: the menu (default: every format vLLM serves here, and bf16), the held-out
+# precision search: the machine the recipe is for (an accelerator preset, cpu-avx2, cpu-avx512;
+# default: this one), the menu (default: every format vLLM serves there, and bf16), the held-out
 # tokens each unit is scored on, and the budget (130MB | 0.45 | 45% | 1.15xint4) or MAX_DAMAGE
+TARGET        ?=
 FORMATS       ?=
 SCAN_TOKENS   ?=
 BUDGET        ?=
@@ -187,9 +189,10 @@ gate: $(PIPELINE_STAMP) ## exit non-zero if a variant's recovery is below its re
 	@$(QPIPE) gate --baseline $(BASELINE) $(foreach r,$(RECIPE),--recipe $(r)) \
 	  $(call opt,--threshold,$(THRESHOLD)) $(call opt,--level,$(GATE_LEVEL))
 
-SCAN_OPTS = $(foreach f,$(FORMATS),--format $(f)) $(call opt,--scan-tokens,$(SCAN_TOKENS))
+SCAN_OPTS = $(foreach f,$(FORMATS),--format $(f)) $(call opt,--scan-tokens,$(SCAN_TOKENS)) \
+  $(call opt,--target,$(TARGET))
 
-# the fusions are read from vLLM (serving environment); the menu from what it serves here
+# the fusions are read from vLLM (serving environment); the menu from what it serves on TARGET
 sensitivity: $(PIPELINE_STAMP) $(SERVE_STAMP) ## damage of each unit quantized alone, per format: table, heat-map, MLflow
 	@$(QPIPE) sensitivity --baseline $(BASELINE) $(SCAN_OPTS) $(if $(FORCE),--force)
 

@@ -237,23 +237,53 @@ def test_the_search_chooses_within_the_budget_over_the_whole_model():
 
 def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPatch):
     reason = "_C_AVX2 has no cpu_gemm_wna16 (CPUWNA16 kernel) (probe)"
-    monkeypatch.setattr(menus, "support", lambda: {
-        "int4": (False, reason), "int8": (True, "oneDNN (probe)"),
-        "fp8": (True, "a torch scaled-mm path (vLLM 0.32 source)")})
-    monkeypatch.setattr(menus.hardware, "profile", lambda: SimpleNamespace(target="cuda"))
-    assert menus.resolve(None) == ["int8", "fp8", "bf16"]
+    served = {"int4": (False, reason), "int8": (True, "oneDNN (probe)"),
+              "fp8": (True, "a torch scaled-mm path (vLLM 0.32 source)")}
+    monkeypatch.setattr(menus, "_support", lambda *args: served)
+    host = SimpleNamespace(target="cuda", describe=lambda: "a test host")
+    monkeypatch.setattr(menus.hardware, "profile", lambda: host)
+    assert menus.resolve(None).formats == ["int8", "fp8", "bf16"]
     # on a CPU, fp8 is served but slowly: asked for by name only
-    monkeypatch.setattr(menus.hardware, "profile", lambda: SimpleNamespace(target="cpu"))
-    assert menus.resolve(None) == ["int8", "bf16"]
-    assert menus.resolve(["int8", "fp8"]) == ["int8", "fp8", "bf16"]
-    with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine: "
-                       "_C_AVX2 has no cpu_gemm_wna16"):
+    host.target = "cpu"
+    menu = menus.resolve(None)
+    assert menu.formats == ["int8", "bf16"] and menu.target.here
+    assert set(menu.left_out) == {"int4", "fp8"} and reason in menu.left_out["int4"]
+    assert menus.resolve(["int8", "fp8"]).formats == ["int8", "fp8", "bf16"]
+    with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine .*"
+                       "_C_AVX2 has no cpu_gemm_wna16.*TARGET="):
         menus.resolve(["int4", "bf16"])
     with pytest.raises(ConfigError, match="FORMATS=mxfp4: not offered"):
         menus.resolve(["mxfp4"])
     with pytest.raises(ConfigError, match="FORMATS=int3: not a format the search knows"):
         menus.resolve(["int3"])
-    assert menus.resolve(["INT8", "int8"]) == ["int8", "bf16"]
+    assert menus.resolve(["INT8", "int8"]).formats == ["int8", "bf16"]
+
+
+def test_the_menu_is_the_deployment_targets_not_the_scanning_machines(
+        monkeypatch: pytest.MonkeyPatch):
+    """On an AVX2-only CPU (no W4A16 kernel) a search for an H100 or an AVX-512 CPU offers
+    W4A16; each target's rules are vLLM's, at the preset's compute capability or the CPU
+    library's ops."""
+    avx2 = {"library": "_C_AVX2", "ops": ["onednn_scaled_mm"]}
+    monkeypatch.setattr(menus.doctor, "probe_kernels", lambda prof: avx2)
+    here = menus.resolve(None, "cpu-avx2")
+    assert here.formats == ["int8", "bf16"] and here.target.here  # this machine's library
+    assert "has no cpu_gemm_wna16" in here.left_out["int4"]
+    avx512 = menus.resolve(None, "cpu-avx512")
+    assert avx512.formats == ["int4", "int8", "bf16"] and not avx512.target.here
+    assert "fp8" in avx512.left_out  # served there, but the slowest format on a CPU
+    h100 = menus.resolve(None, "h100-80gb")
+    assert h100.formats == ["int4", "int8", "fp8", "bf16"] and h100.target.kind == "cuda"
+    assert "compute capability 9.0" in h100.target.described
+    a100 = menus.resolve(None, "a100-80gb")  # no native FP8 below 8.9: weight-only is not W8A8
+    assert a100.formats == ["int4", "int8", "bf16"] and "Marlin" in a100.left_out["fp8"]
+    with pytest.raises(ConfigError, match="TARGET=tpu: not a machine the search knows; the "
+                       "targets are here, cpu-avx2, cpu-avx512, a100-40gb"):
+        menus.resolve(None, "tpu")
+    table = _sensitivity_table()
+    with pytest.raises(ConfigError, match=r"BUDGET=1.15xfp8: fp8 is not in the menu: .*"
+                       r"TARGET=h100-80gb"):
+        stage.choose(table, SearchSettings(budget="1.15xfp8"), a100.left_out)
 
 
 def test_the_table_is_shown_as_layers_by_unit_kinds(tmp_path: Path):
@@ -278,7 +308,7 @@ def test_sensitivity_and_search_on_a_tiny_model_give_a_recipe_whose_bytes_are_as
     # the default menu: what vLLM serves here (an AVX2-only CPU has no W4A16 kernel)
     scan_options = ScanOptions(scan_tokens=64)
     table = stage.sensitivity(SensitivitySettings(baseline=str(tiny_model), scan=scan_options))
-    assert table.formats == menus.resolve(None) and "int8" in table.formats
+    assert table.formats == menus.resolve(None).formats and "int8" in table.formats
     assert len(table.units) == 8
     assert table.fusions["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]  # read from vLLM
     small = "int4" if "int4" in table.formats else "int8"

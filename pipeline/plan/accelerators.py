@@ -2,7 +2,8 @@
 
 Each file gives ``name``, ``description``, the memory the runtime sees (``memory_gib``, in
 2^30 bytes, or ``memory_bytes``), the engine's KV ``block_size`` and, for cost figures, an
-hourly ``price_per_hour`` (USD; an example figure with its date: set the price you pay).
+hourly ``price_per_hour`` (USD; an example figure with its date: set the price you pay) and
+its ``compute_capability`` (which kernels vLLM chooses there: the precision search's TARGET=).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Accelerator:
     memory_bytes: int
     block_size: int = 16
     price_per_hour: float | None = None  # USD per device-hour; the file says where it is from
+    compute_capability: str = ""  # "9.0": which kernels vLLM chooses for it
 
 
 def _load(path: Path) -> Accelerator:
@@ -55,6 +57,7 @@ def _load(path: Path) -> Accelerator:
         memory_bytes=memory,
         block_size=block_size,
         price_per_hour=float(price) if price is not None else None,
+        compute_capability=str(data.get("compute_capability", "")),
     )
 
 

@@ -68,6 +68,11 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
         row.search = Prediction(predicted_kl=float(found["predicted_damage"]),
                                 predicted_weight_bytes=int(found.get("weight_bytes") or 0),
                                 basis=f"searched: {found.get('how', '?')}")
+        if found.get("target") not in (None, "here"):
+            row.notes.append(f"searched for {found.get('target_described') or found['target']}"
+                             ": its menu is that machine's; where this machine does not serve "
+                             "a format it holds, it is reported unsupported and scored "
+                             "emulated")
         return
     table = next((t for t in tables if row.recipe in t.formats), None)
     if table is not None:

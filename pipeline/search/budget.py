@@ -14,12 +14,19 @@ FORMS = "bytes (130MB, 1.3e8), a share of the baseline's weights (0.45, 45%), or
         "of a uniform format (1.15xint4)"
 
 
-def parse(text: str, table: SensitivityTable) -> tuple[int, str]:
-    """(budget in bytes of total weights, how it reads)."""
+def parse(text: str, table: SensitivityTable,
+          left_out: dict[str, str] | None = None) -> tuple[int, str]:
+    """(budget in bytes of total weights, how it reads); ``left_out``: the formats the menu
+    left out and why (said when the budget names one)."""
     spec = text.strip().lower().replace(" ", "")
     multiple = re.fullmatch(r"(\d+(?:\.\d+)?)x([a-z0-9]+)", spec)
     if multiple:
         factor, fmt = float(multiple[1]), multiple[2]
+        if fmt in (left_out or {}):
+            raise ConfigError(f"BUDGET={text}: {fmt} is not in the menu: {left_out[fmt]}. "
+                              "If the recipe is for another machine than this one, name it: "
+                              "TARGET=h100-80gb (an accelerator preset), cpu-avx512 or "
+                              "cpu-avx2; the proof then runs emulated here.")
         if fmt not in table.formats:
             raise ConfigError(f"BUDGET={text}: {fmt} is not in the sensitivity table's menu "
                               f"({', '.join(table.formats)}). Use one of them, or {FORMS}.")

@@ -17,6 +17,10 @@ class ScanOptions(BaseModel):
         None, description="the menu: formats each unit may take (int4, int8, bf16); default: "
         "every one vLLM serves on this machine, and bf16", json_schema_extra={
             "make": "FORMATS", "flag": "--format"})
+    target: str | None = Field(
+        None, description="the machine the recipe is for, whose kernels decide the menu: an "
+        "accelerator preset (h100-80gb, ...), cpu-avx2 or cpu-avx512 (default: this machine)",
+        json_schema_extra={"make": "TARGET"})
     scan_tokens: int = Field(SCAN_TOKENS, gt=1, description="score each unit on the first N "
                              "tokens of the held-out text (evals/_heldout/heldout.txt)",
                              json_schema_extra={"make": "SCAN_TOKENS"})

@@ -86,13 +86,17 @@ def _progress(started: float) -> Any:
     return report
 
 
-def sensitivity(settings: SensitivitySettings) -> SensitivityTable:
-    """The table for ``settings`` (measured, or the cached one when nothing changed)."""
+def sensitivity(settings: SensitivitySettings, menu: menus.Menu | None = None
+                ) -> SensitivityTable:
+    """The table for ``settings`` (measured, or the cached one when nothing changed). The
+    damages do not depend on the target, only the menu does: one table per menu."""
     import torch
     from transformers import AutoTokenizer
 
     base = baselines.resolve(settings.baseline)
-    formats = menus.resolve(settings.scan.formats)
+    menu = menu or menus.resolve(settings.scan.formats, settings.scan.target)
+    formats = menu.formats
+    log.info(f"menu for {menu.target.described}: {', '.join(formats)}")
     architecture = _architecture(base)
     fusions, fusion_source = packed_modules(architecture)
     text = heldout.heldout_text()
@@ -181,14 +185,16 @@ def options(table: SensitivityTable) -> dict[str, list[Option]]:
                    if d.unit == unit] for unit in table.units}
 
 
-def choose(table: SensitivityTable, settings: SearchSettings) -> tuple[Choice, str, str]:
-    """(the choice with totals over the whole model, how it was chosen, the default name)."""
+def choose(table: SensitivityTable, settings: SearchSettings,
+           left_out: dict[str, str] | None = None) -> tuple[Choice, str, str]:
+    """(the choice with totals over the whole model, how it was chosen, the default name);
+    ``left_out``: the formats the menu left out, and why."""
     if (settings.budget is None) == (settings.max_damage is None):
         raise ConfigError("give exactly one of BUDGET= (weight memory, e.g. 1.15xint4 or "
                           "130MB) and MAX_DAMAGE= (summed KL, e.g. 0.05).")
     fixed = table.fixed_bytes
     if settings.budget is not None:
-        limit, reads = budgets.parse(settings.budget, table)
+        limit, reads = budgets.parse(settings.budget, table, left_out)
         if limit <= fixed:
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
@@ -202,8 +208,12 @@ def choose(table: SensitivityTable, settings: SearchSettings) -> tuple[Choice, s
 
 def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
-    table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan))
-    choice, how, default_name = choose(table, settings)
+    menu = menus.resolve(settings.scan.formats, settings.scan.target)
+    table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan), menu)
+    choice, how, default_name = choose(table, settings, menu.left_out)
+    if not menu.target.here:
+        how += f", for {menu.target.name}"
+        default_name += f"-{menu.target.name}"
     name = settings.name or default_name
     path = paths.RECIPES_DIR / f"{name}.yaml"
     if path.exists() and not recipes.load(str(path)).search:
@@ -212,12 +222,17 @@ def run_search(settings: SearchSettings) -> Path:
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
     text = searched.recipe_text(choice, table.units, how, settings.threshold, extra={
         "baseline": table.baseline["name"], "baseline_identity": table.baseline["identity"],
-        "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens})
+        "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens,
+        "target": menu.target.name, "target_described": menu.target.described})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
+    if not menu.target.here:
+        print(f"for {menu.target.described}: served there, not here; on this machine bench "
+              "reports it unsupported with vLLM's reason and eval scores it emulated "
+              "(de-compressed weights), as the report says")
     base_name = table.baseline["name"]
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if tracking.find_run(base_name, SEARCH, key):  # the same recipe searched before
@@ -225,7 +240,8 @@ def run_search(settings: SearchSettings) -> Path:
     tracking.log_run(
         base_name, SEARCH, f"search:{name}",
         params={tracking.PARAM_BASELINE: base_name, tracking.PARAM_RECIPE: name, "how": how,
-                "formats": ",".join(table.formats), "sensitivity": table.cache_key},
+                "formats": ",".join(table.formats), "sensitivity": table.cache_key,
+                "target": menu.target.name},
         metrics={"predicted_weight_bytes": choice.bytes, "predicted_kl": choice.damage,
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
         tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])

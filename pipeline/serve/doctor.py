@@ -51,8 +51,10 @@ CPU_RULES: tuple[tuple[str, str, str | None, str, str], ...] = (
 )
 
 
-def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None) -> list[Support]:
-    """Each format on this CPU: from the kernel-library probe where an op decides it."""
+def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None,
+                source: str = "probe") -> list[Support]:
+    """Each format on this CPU: from the kernel-library probe where an op decides it (or, for
+    another CPU kind, from what its library is known to hold: ``source`` says which)."""
     ops = set(probe["ops"]) if probe else None
     library = probe["library"] if probe else prof.kernel_library
     out = []
@@ -63,7 +65,7 @@ def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None) -> list[Su
                                f"{library} {'has' if has else 'has no'} {op} ({why})"
                                + ("" if has or library == "_C" else
                                   "; AVX-512 CPUs load _C or _C_AVX512, which have it"),
-                               "probe"))
+                               source))
         else:
             out.append(Support(fmt, recipes, status, why, SOURCE))
     amx, avx512 = "amx_tile" in prof.flags_seen, "avx512f" in prof.flags_seen
