@@ -249,8 +249,8 @@ def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPat
     assert menu.formats == ["int8", "bf16"] and menu.target.here
     assert set(menu.left_out) == {"int4", "fp8"} and reason in menu.left_out["int4"]
     assert menus.resolve(["int8", "fp8"]).formats == ["int8", "fp8", "bf16"]
-    with pytest.raises(ConfigError, match="int4: vLLM does not serve it on this machine .*"
-                       "_C_AVX2 has no cpu_gemm_wna16.*TARGET="):
+    with pytest.raises(ConfigError, match=r"int4: vLLM does not serve it on this machine .*"
+                       r"_C_AVX2 has no cpu_gemm_wna16.*TARGET="):
         menus.resolve(["int4", "bf16"])
     with pytest.raises(ConfigError, match="FORMATS=mxfp4: not offered"):
         menus.resolve(["mxfp4"])
