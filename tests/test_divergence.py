@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.core.errors import ConfigError
 from pipeline.eval import divergence
@@ -45,6 +46,22 @@ def test_windows_cover_every_token_once() -> None:
     assert divergence.windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_the_scan_and_the_check_score_disjoint_parts_of_the_text() -> None:
+    """The precision search chooses units on the first 1,024 tokens; the divergence check that
+    proves the choice measures only after them."""
+    from pipeline.core import heldout
+    from pipeline.search.settings import ScanOptions
+
+    ids = list(range(3000))
+    scan, proof = heldout.scan_part(ids), heldout.proof_part(ids)
+    assert len(scan) == heldout.SCAN_SPAN and not set(scan) & set(proof)
+    assert scan + proof == ids and heldout.scan_part(ids, 64) == ids[:64]
+    with pytest.raises(ConfigError, match=r"SCAN_TOKENS=2048: .* first 1,024 tokens"):
+        heldout.scan_part(ids, 2048)
+    with pytest.raises(ValidationError):
+        ScanOptions(scan_tokens=2048)
+
+
 def test_heldout_text_is_there_and_checked(tmp_path: Path) -> None:
     assert len(divergence.heldout_text().split()) > 1000
     short = tmp_path / "short.txt"
@@ -67,7 +84,7 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     shutil.copytree(tiny_model, copy)  # the same weights, loaded a second time on their own
     figures = divergence.measure_all(tiny_model, {tiny_model: self_cache, other: cache,
                                                   copy: tmp_path / "copy.json"},
-                                     text_path=text_file, seq_len=128)
+                                     text_path=text_file, seq_len=128, skip=0)
     same, diff, twin = figures[tiny_model], figures[other], figures[copy]
     assert same.perplexity == pytest.approx(same.baseline_perplexity)
     # identical models through two separate loads: no divergence, every token agrees
@@ -91,6 +108,10 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     assert diff.baseline_perplexity == pytest.approx(same.baseline_perplexity, rel=1e-3)
     assert json.loads(cache.read_text()) == diff.as_dict()
     assert divergence.measure_all(tiny_model, {other: cache})[other] == diff  # from the cache
+    # the check measures after the scan's part of the text: fewer tokens, none of the scan's
+    later = divergence.measure_all(tiny_model, {tiny_model: tmp_path / "later.json"},
+                                   text_path=text_file, seq_len=128, skip=100)[tiny_model]
+    assert later.tokens == sum(len(w) - 1 for w in divergence.windows(ids[100:], 128))
 
 
 @pytest.mark.slow

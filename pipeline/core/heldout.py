@@ -1,6 +1,10 @@
-"""The held-out text both the divergence check and the precision search score on
+"""The held-out text the precision search and the divergence check score on
 (``evals/_heldout/heldout.txt``, written for qpipe; it shares nothing with the calibration data),
-its windows, and the per-token statistics of two models' log-probabilities on it."""
+its windows, and the per-token statistics of two models' log-probabilities on it.
+
+The two use disjoint parts of it: the search's scan (which chooses the units) the first
+``SCAN_SPAN`` tokens, the divergence check (the proof of what was chosen) the tokens after, so
+that a choice is never checked on the text it was selected on."""
 
 from __future__ import annotations
 
@@ -13,6 +17,21 @@ from pipeline.core.errors import ConfigError
 
 HELDOUT = paths.EVALS_DIR / "_heldout" / "heldout.txt"
 SEQ_LEN = 512
+SCAN_SPAN = 1024  # the scan's tokens: the first two 512-token windows; the check's start after
+
+
+def scan_part(token_ids: list[int], tokens: int = SCAN_SPAN) -> list[int]:
+    """The first ``tokens`` (at most ``SCAN_SPAN``) tokens: what the scan scores units on."""
+    if tokens > SCAN_SPAN:
+        raise ConfigError(f"SCAN_TOKENS={tokens}: the scan's part of the held-out text is its "
+                          f"first {SCAN_SPAN:,} tokens (the rest checks the searched recipes). "
+                          f"Fix: SCAN_TOKENS={SCAN_SPAN} or fewer.")
+    return token_ids[:tokens]
+
+
+def proof_part(token_ids: list[int], skip: int = SCAN_SPAN) -> list[int]:
+    """The tokens after the scan's part: what the divergence check measures on."""
+    return token_ids[skip:]
 
 
 def heldout_text(path: Path = HELDOUT) -> str:

@@ -18,7 +18,15 @@ from typing import Any
 from pipeline.core import hardware
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import write_json_atomic
-from pipeline.core.heldout import HELDOUT, SEQ_LEN, heldout_text, token_stats, windows
+from pipeline.core.heldout import (
+    HELDOUT,
+    SCAN_SPAN,
+    SEQ_LEN,
+    heldout_text,
+    proof_part,
+    token_stats,
+    windows,
+)
 
 BACKEND = "hf (transformers, de-compressed weights)"
 
@@ -95,9 +103,10 @@ def _summarize(base_lps: list[Any], var_lps: list[Any], wins: list[list[int]]) -
 
 
 def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path = HELDOUT,
-                seq_len: int = SEQ_LEN) -> dict[Path, Divergence]:
+                seq_len: int = SEQ_LEN, skip: int = SCAN_SPAN) -> dict[Path, Divergence]:
     """KL, top-1 agreement and perplexities against the baseline of each variant directory ->
-    its cache file, cached there (the baseline itself: its own perplexity). The baseline's
+    its cache file, cached there (the baseline itself: its own perplexity), on the held-out
+    text after its first ``skip`` tokens (the precision search's scan part). The baseline's
     log-probabilities are computed once and kept for every variant (the forward passes are
     most of the cost: ~3 s per 512-token window of a 135M model in bf16 on 2 cores)."""
     from transformers import AutoTokenizer
@@ -109,7 +118,8 @@ def measure_all(baseline_dir: Path, variants: dict[Path, Path], text_path: Path 
         return results
     text = heldout_text(text_path)
     tokenizer = AutoTokenizer.from_pretrained(baseline_dir)
-    wins = windows(tokenizer(text, add_special_tokens=True).input_ids, seq_len)
+    wins = windows(proof_part(tokenizer(text, add_special_tokens=True).input_ids, skip),
+                   seq_len)
     base = load_model(baseline_dir)
     base_lps = _window_log_probs(base, wins)
     for variant_dir in todo:

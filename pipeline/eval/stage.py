@@ -90,7 +90,7 @@ def _divergences(base: baselines.Baseline, variants: list[Variant]
     div_dir = cache_root(base.name) / "divergence"
     # the figures depend on the text and on the dtype the models ran in
     text = (f"{divergence.text_hash(divergence.heldout_text())}-{divergence.HF_DTYPE}-"
-            f"{divergence.device()}")
+            f"{divergence.device()}-after{divergence.SCAN_SPAN}")
     caches = {base.path: div_dir / f"{base.identity}-self-{text}.json",
               **{m.path: div_dir / f"{m.identity}-vs-{base.identity}-{text}.json"
                  for m in variants}}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.core.heldout import SCAN_SPAN
 from pipeline.core.settings import StageSettings, baseline_field, force_field
 
-SCAN_TOKENS = 1024  # two 512-token windows: ~9 min for the embedded model on 2 cores
+SCAN_TOKENS = SCAN_SPAN  # two 512-token windows: ~9 min for the embedded model on 2 cores
 
 
 class ScanOptions(BaseModel):
@@ -21,8 +22,10 @@ class ScanOptions(BaseModel):
         None, description="the machine the recipe is for, whose kernels decide the menu: an "
         "accelerator preset (h100-80gb, ...), cpu-avx2 or cpu-avx512 (default: this machine)",
         json_schema_extra={"make": "TARGET"})
-    scan_tokens: int = Field(SCAN_TOKENS, gt=1, description="score each unit on the first N "
-                             "tokens of the held-out text (evals/_heldout/heldout.txt)",
+    scan_tokens: int = Field(SCAN_TOKENS, gt=1, le=SCAN_SPAN, description="score each unit on "
+                             "the first N tokens of the held-out text (evals/_heldout/"
+                             "heldout.txt; the divergence check measures on the tokens after "
+                             "the first 1,024)",
                              json_schema_extra={"make": "SCAN_TOKENS"})
 
 

@@ -109,7 +109,8 @@ def sensitivity(settings: SensitivitySettings, menu: menus.Menu | None = None
         _track_table(base, table, target)
         return table
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    ids = tokenizer(text, add_special_tokens=True).input_ids[:settings.scan.scan_tokens]
+    ids = heldout.scan_part(tokenizer(text, add_special_tokens=True).input_ids,
+                            settings.scan.scan_tokens)
     windows = heldout.windows(ids)
     model, dtype = _load(base)
     linears = [name for name, module in model.named_modules()
