@@ -391,10 +391,14 @@ def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_
                                 basis="every unit at int4 in the sensitivity table")
     comparison = _comparison([_baseline(), uniform, searched])
     lines = report.search_lines(comparison)
-    assert lines[0].startswith("precision search, additivity checked")
+    assert lines[0].startswith("precision search, predicted against measured")
     assert "searched-1.15xint4: predicted KL 0.0200" in lines[2]
-    assert "measured 0.0300 on the held-out text" in lines[2]
-    assert "= 1.50x the prediction" in lines[2]
+    assert "measured 0.0300 on the held-out check text" in lines[2]
+    assert "= 1.50x the prediction: WARNING: it did not hold (held: within 0.75-1.33x)" \
+        in lines[2]
+    searched.divergence = {"kl_div_mean": 0.024}
+    assert "= 1.20x the prediction: it held" in report.search_lines(comparison)[2]
+    searched.divergence = {"kl_div_mean": 0.03}
     assert "int4: predicted KL 0.0800" in lines[1] and "not measured" in lines[1]
     assert any("predicted KL 0.0200" in n for n in report.markdown(comparison).splitlines())
     rows = list(csv.DictReader(io.StringIO(report.csv_text(comparison))))

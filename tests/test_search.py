@@ -382,3 +382,28 @@ def test_a_campaign_of_every_recipe_leaves_out_one_searched_for_another_baseline
     assert [q.recipe for q in quantize] == ["int4", "searched-mine"]
     assert evaluate.recipes == ("int4", "searched-mine")
     assert len(campaign.stages(settings, file)[0]) == 3  # without a baseline: every recipe
+
+
+def test_a_searched_recipe_says_how_the_predictions_have_held(workspace: Path):
+    """The newest comparison's measured against predicted KL, per variant, goes into every
+    searched recipe (and MAX_DAMAGE= trusts a prediction only as far as these held)."""
+    from pipeline.core.artifacts import Comparison, PlanTarget, Prediction, Row
+
+    assert stage.predictions_held("Tiny") == ""
+
+    def row(name: str, predicted: float, measured: float | None) -> Row:
+        found = Row(name=name, recipe=name, scheme="S", format="f", precision="p",
+                    weight_bytes=1, weight_ratio=0.5,
+                    search=Prediction(predicted_kl=predicted, basis="test"))
+        if measured is not None:
+            found.divergence = {"kl_div_mean": measured}
+        return found
+
+    comparison = Comparison(baseline="Tiny", workload="", load_point=None,
+                            plan_target=PlanTarget(), recommendation=None, reason="",
+                            rows=[row("int4", 0.4, 0.6), row("s", 0.2, 0.22),
+                                  row("int8", 0.1, None)], meta={"created": "2026-12-02"})
+    comparison.write(Comparison.directory("Tiny") / Comparison.FILE)
+    assert stage.predictions_held("Tiny") == (
+        "1 of 2 predictions held (measured within 0.75-1.33x of predicted) in the newest "
+        "comparison (2026-12-02): int4 1.50x, s 1.10x")

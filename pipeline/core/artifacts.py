@@ -563,6 +563,18 @@ class Prediction(BaseModel):
     predicted_weight_bytes: int = 0
     basis: str
 
+    HELD: ClassVar[tuple[float, float]] = (0.75, 1.33)  # measured/predicted: the prediction held
+
+    def ratio(self, measured: float | None) -> float | None:
+        """Measured over predicted KL (None where either is missing)."""
+        return measured / self.predicted_kl if measured is not None and self.predicted_kl > 0 \
+            else None
+
+    def held(self, measured: float | None) -> bool | None:
+        """Whether the measured KL is within ``HELD`` of the prediction (None: not measured)."""
+        found = self.ratio(measured)
+        return None if found is None else self.HELD[0] <= found <= self.HELD[1]
+
 
 class CostFigures(BaseModel):
     """What a row costs per million output tokens at its capacity (and, ``rate_``, at its

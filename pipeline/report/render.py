@@ -13,7 +13,7 @@ from typing import Any
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.table import SPEED_METHOD, capacity_range, lengths_text
 from pipeline.core import tracking
-from pipeline.core.artifacts import EMULATED, Comparison, Row
+from pipeline.core.artifacts import EMULATED, Comparison, Prediction, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
@@ -227,19 +227,27 @@ def search_lines(comparison: Comparison) -> list[str]:
     """Predicted (the sensitivity model: units' damages summed) against measured (the whole
     model on the held-out text) KL, per variant that has a prediction."""
     out = []
+    low, high = Prediction.HELD
     for row in comparison.rows:
         if row.search is None:
             continue
         predicted = row.search.predicted_kl
         measured = row.divergence.get("kl_div_mean")
-        tail = (f"measured {measured:.4f} on the held-out text (the whole model, emulated) = "
-                f"{measured / predicted:.2f}x the prediction" if measured is not None and
-                predicted > 0 else "not measured (make eval runs the held-out check)")
+        ratio, held = row.search.ratio(measured), row.search.held(measured)
+        if ratio is None:
+            tail = "not measured (make eval runs the held-out check)"
+        else:
+            tail = (f"measured {measured:.4f} on the held-out check text (the whole model, "
+                    f"emulated) = {ratio:.2f}x the prediction: "
+                    + ("it held" if held else f"WARNING: it did not hold (held: within "
+                       f"{low:g}-{high:g}x); this variant's predicted damage is not to be "
+                       "trusted, its measured KL is"))
         out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
                    f"summed; {row.search.basis}), {tail}")
     if out:
-        out.insert(0, "precision search, additivity checked: the search predicts a recipe's "
-                   "damage as the sum of each unit's damage when quantized alone")
+        out.insert(0, "precision search, predicted against measured: the search predicts a "
+                   "recipe's damage as the sum of each unit's damage when quantized alone "
+                   "(round-to-nearest, on the scan's text)")
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.core import hardware, heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import SensitivityTable, UnitDamage
+from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.provenance import library_versions
@@ -207,6 +207,24 @@ def choose(table: SensitivityTable, settings: SearchSettings,
             f"fewest weight bytes with predicted damage <= {damage:g}", f"searched-kl{damage:g}")
 
 
+def predictions_held(baseline_name: str) -> str:
+    """How the search's predictions held in the newest comparison of this baseline: each
+    variant with a prediction and a measured KL, measured over predicted ("" if none)."""
+    comparison = Comparison.read(Comparison.directory(baseline_name) / Comparison.FILE)
+    if comparison is None:
+        return ""
+    found = [(row.name, ratio) for row in comparison.rows if row.search is not None
+             and (ratio := row.search.ratio(row.divergence.get("kl_div_mean"))) is not None]
+    if not found:
+        return ""
+    low, high = Prediction.HELD
+    held = sum(low <= ratio <= high for _, ratio in found)
+    when = comparison.meta.get("created", "")
+    return (f"{held} of {len(found)} predictions held (measured within {low:g}-{high:g}x of "
+            f"predicted) in the newest comparison{f' ({when})' if when else ''}: "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in found))
+
+
 def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
@@ -221,15 +239,19 @@ def run_search(settings: SearchSettings) -> Path:
         raise ConfigError(f"{path} is a recipe that was not searched; it is left as it is. "
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
+    record = predictions_held(table.baseline["name"]) or "no searched or uniform variant of " \
+        "this baseline measured against its prediction yet (make all RECIPE=\"int4 int8 ...\")"
     text = searched.recipe_text(choice, table.units, how, settings.threshold, extra={
         "baseline": table.baseline["name"], "baseline_identity": table.baseline["identity"],
         "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens,
-        "target": menu.target.name, "target_described": menu.target.described})
+        "target": menu.target.name, "target_described": menu.target.described,
+        "predictions_held": record})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
+    print(f"how such predictions have held: {record}")
     if not menu.target.here:
         print(f"for {menu.target.described}: served there, not here; on this machine bench "
               "reports it unsupported with vLLM's reason and eval scores it emulated "
