@@ -407,3 +407,38 @@ def test_a_searched_recipe_says_how_the_predictions_have_held(workspace: Path):
     assert stage.predictions_held("Tiny") == (
         "1 of 2 predictions held (measured within 0.75-1.33x of predicted) in the newest "
         "comparison (2026-12-02): int4 1.50x, s 1.10x")
+
+
+def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(workspace: Path):
+    """The scan is round-to-nearest, the checkpoints GPTQ: each format's summed damages are
+    scaled by its uniform variant's measured/predicted KL, so the solver weighs formats by
+    what they measured, and the recipe's predicted damage is the calibrated one."""
+    from pipeline.core.artifacts import Comparison, PlanTarget, Prediction, Row
+
+    table = _sensitivity_table()  # int4 damages 0.01-0.04 (sum 0.1), int8 0.001-0.004
+    assert stage.calibration(table) == ({}, "not calibrated: no comparison of this baseline "
+                                            "yet")
+
+    def uniform(fmt: str, measured: float) -> Row:
+        predicted = table.uniform(fmt)[1]
+        return Row(name=fmt, recipe=fmt, scheme="S", format="f", precision=fmt, weight_bytes=1,
+                   weight_ratio=0.5, divergence={"kl_div_mean": measured * predicted},
+                   search=Prediction(predicted_kl=predicted, basis="every unit at " + fmt))
+
+    Comparison(baseline="toy", workload="", load_point=None, plan_target=PlanTarget(),
+               recommendation=None, reason="", rows=[uniform("int4", 1.5), uniform("int8", 20)],
+               meta={"created": "2026-12-02"}).write(
+        Comparison.directory("toy") / Comparison.FILE)
+    factors, how = stage.calibration(table)
+    assert factors == {"int4": 1.5, "int8": 20.0}
+    assert "int4 1.50x, int8 20.00x" in how and "(2026-12-02)" in how
+    settings = SearchSettings(budget="420")  # 220 bytes for 4 units: e.g. 2 x int8 + 2 x int4
+    raw, _, _ = stage.choose(table, settings)
+    calibrated, _, _ = stage.choose(table, settings, factors=factors)
+    assert raw.damage == pytest.approx(table.predicted(raw.formats)[1])
+    # int8 measured 20x its scan here: the calibrated choice trades it for int4 where it can
+    assert sum(f == "int8" for f in calibrated.formats.values()) < sum(
+        f == "int8" for f in raw.formats.values())
+    assert calibrated.damage == pytest.approx(sum(
+        table.damage(u, f).kl_div_mean * factors.get(f, 1.0)
+        for u, f in calibrated.formats.items()))

@@ -47,6 +47,11 @@ class SearchSettings(StageSettings):
             "make": "MAX_DAMAGE"})
     name: str | None = Field(None, description="the recipe to write, recipes/NAME.yaml "
                              "(default: searched-<budget>)", json_schema_extra={"make": "NAME"})
+    calibrate: bool = Field(True, description="scale each format's scanned damages by its "
+                            "uniform variant's measured/predicted KL in the newest comparison "
+                            "(round-to-nearest scan, GPTQ checkpoints)", json_schema_extra={
+                                "negative": "--no-calibrate",
+                                "negative_help": "use the damages as scanned"})
     threshold: float = Field(96.0, gt=0, le=1000,
                              description="the recipe's recovery threshold, percent",
                              json_schema_extra={"make": "THRESHOLD"})

@@ -180,16 +180,48 @@ def run_sensitivity(settings: SensitivitySettings) -> SensitivityTable:
     return table
 
 
-def options(table: SensitivityTable) -> dict[str, list[Option]]:
-    """The solver's table: unit -> one option per format of the menu."""
-    return {unit: [Option(d.format, d.bytes, d.kl_div_mean) for d in table.damages
-                   if d.unit == unit] for unit in table.units}
+def options(table: SensitivityTable, factors: dict[str, float] | None = None
+            ) -> dict[str, list[Option]]:
+    """The solver's table: unit -> one option per format of the menu, each damage times its
+    format's calibration factor (1 where there is none)."""
+    factors = factors or {}
+    return {unit: [Option(d.format, d.bytes, d.kl_div_mean * factors.get(d.format, 1.0))
+                   for d in table.damages if d.unit == unit] for unit in table.units}
+
+
+def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
+    """Per format, the uniform variant's measured over predicted KL in the newest comparison
+    of this baseline: the scan is round-to-nearest, the checkpoints GPTQ, and the measured
+    whole-model damage of every unit in one format says how far the summed per-unit damages
+    are off for it. ({} and why, where none is measured: the damages are then used as
+    scanned.)"""
+    name = table.baseline.get("name", "")
+    comparison = Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
+    if comparison is None:
+        return {}, "not calibrated: no comparison of this baseline yet"
+    factors = {}
+    for row in comparison.rows:
+        if row.name in table.formats and row.name != searched.KEEP and row.search is not None:
+            found = row.search.ratio(row.divergence.get("kl_div_mean"))
+            if found is not None:
+                factors[row.name] = round(found, 4)
+    if not factors:
+        return {}, "not calibrated: no uniform variant of the menu measured in the newest " \
+            "comparison (make all RECIPE=\"int4 int8\")"
+    when = comparison.meta.get("created", "")
+    others = [f for f in table.formats if f not in factors and f != searched.KEEP]
+    return factors, ("each format's damages times its uniform variant's measured/predicted KL "
+                     f"in the newest comparison{f' ({when})' if when else ''}: "
+                     + ", ".join(f"{f} {x:.2f}x" for f, x in factors.items())
+                     + (f"; {', '.join(others)} as scanned (not measured)" if others else ""))
 
 
 def choose(table: SensitivityTable, settings: SearchSettings,
-           left_out: dict[str, str] | None = None) -> tuple[Choice, str, str]:
+           left_out: dict[str, str] | None = None, factors: dict[str, float] | None = None
+           ) -> tuple[Choice, str, str]:
     """(the choice with totals over the whole model, how it was chosen, the default name);
-    ``left_out``: the formats the menu left out, and why."""
+    ``left_out``: the formats the menu left out, and why; ``factors``: each format's
+    calibration (the damages the solver weighs and the prediction are calibrated)."""
     if (settings.budget is None) == (settings.max_damage is None):
         raise ConfigError("give exactly one of BUDGET= (weight memory, e.g. 1.15xint4 or "
                           "130MB) and MAX_DAMAGE= (summed KL, e.g. 0.05).")
@@ -200,10 +232,10 @@ def choose(table: SensitivityTable, settings: SearchSettings,
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
         how = f"least predicted damage within {reads} = {limit:,} bytes of weights"
-        return (least_damage(options(table), limit, fixed), how,
+        return (least_damage(options(table, factors), limit, fixed), how,
                 f"searched-{budgets.slug(settings.budget)}")
     damage = float(settings.max_damage or 0)
-    return (fewest_bytes(options(table), damage, fixed),
+    return (fewest_bytes(options(table, factors), damage, fixed),
             f"fewest weight bytes with predicted damage <= {damage:g}", f"searched-kl{damage:g}")
 
 
@@ -229,7 +261,10 @@ def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
     table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan), menu)
-    choice, how, default_name = choose(table, settings, menu.left_out)
+    factors, calibrated = calibration(table) if settings.calibrate else (
+        {}, "not calibrated (--no-calibrate)")
+    choice, how, default_name = choose(table, settings, menu.left_out, factors)
+    raw = table.predicted(choice.formats)[1]
     if not menu.target.here:
         how += f", for {menu.target.name}"
         default_name += f"-{menu.target.name}"
@@ -245,13 +280,15 @@ def run_search(settings: SearchSettings) -> Path:
         "baseline": table.baseline["name"], "baseline_identity": table.baseline["identity"],
         "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens,
         "target": menu.target.name, "target_described": menu.target.described,
-        "predictions_held": record})
+        "predictions_held": record, "calibration": calibrated,
+        "predicted_damage_as_scanned": round(raw, 6)})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
-    print(f"how such predictions have held: {record}")
+    print(f"how such predictions have held: {record}\nthe prediction: {calibrated}"
+          + (f" (as scanned: {raw:.4f})" if factors else ""))
     if not menu.target.here:
         print(f"for {menu.target.described}: served there, not here; on this machine bench "
               "reports it unsupported with vLLM's reason and eval scores it emulated "
