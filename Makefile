@@ -66,6 +66,7 @@ SCAN_TOKENS   ?=
 BUDGET        ?=
 MAX_DAMAGE    ?=
 NAME          ?=
+REFINE        ?=
 # planner (empty: qpipe plan's defaults, `qpipe plan --help`: the embedded model's config on an
 # h100-80gb at 8,192 tokens, bf16 weights and KV cache; MAX_CONTEXT: the model's maximum)
 MODEL         ?=
@@ -199,7 +200,7 @@ sensitivity: $(PIPELINE_STAMP) $(SERVE_STAMP) ## damage of each unit quantized a
 search: $(PIPELINE_STAMP) $(SERVE_STAMP) ## a mixed-precision recipe: BUDGET=1.15xint4 (or MAX_DAMAGE=) -> recipes/searched-*.yaml
 	@$(QPIPE) search --baseline $(BASELINE) $(SCAN_OPTS) $(call opt,--budget,$(BUDGET)) \
 	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--name,$(NAME)) \
-	  $(call opt,--threshold,$(THRESHOLD))
+	  $(call opt,--threshold,$(THRESHOLD)) $(if $(REFINE),--refine)
 
 # how often each verdict is wrong, simulated against a known truth (RUNS= draws, FAST=1 subset)
 RUNS          ?=

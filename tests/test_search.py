@@ -337,6 +337,12 @@ def test_sensitivity_and_search_on_a_tiny_model_give_a_recipe_whose_bytes_are_as
         stage.run_search(SearchSettings(baseline=str(tiny_model), budget=budget,
                                         name="int4", scan=scan_options))
 
+    # the second pass: re-scored in the first choice's context, its prediction measured at once
+    again = yaml.safe_load(stage.run_search(SearchSettings(
+        baseline=str(tiny_model), budget=budget, scan=scan_options, refine=True,
+        name="refined")).read_text())["qpipe"]["search"]
+    assert "measured at once" in again["refined"] and again["weight_bytes"] <= 1.3 * \
+        table.uniform(small)[0]
     recipe = recipes.load(str(path)).with_calibration(num_samples=4, max_seq_length=32)
     manifest = quantize.quantize(baselines.resolve(str(tiny_model)), recipe)
     # the byte model the solver used is the checkpoint's: predicted = stored, to 1%
@@ -442,3 +448,35 @@ def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(wo
     assert calibrated.damage == pytest.approx(sum(
         table.damage(u, f).kl_div_mean * factors.get(f, 1.0)
         for u, f in calibrated.formats.items()))
+
+
+@pytest.mark.slow
+def test_units_rescored_in_a_mixes_context_are_that_mixes_own_damages(tiny_model: Path):
+    """The mix's whole-model KL is measured at once; a unit's damage in its context is the mix
+    with that unit changed, minus the mix; the model is left as it was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.search import sensitivity
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    units = fuse(linears, {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                           "gate_up_proj": ["gate_proj", "up_proj"]})
+    windows = [list(range(1, 65)), list(range(100, 164))]
+    before = sensitivity._log_probs(model, windows)
+    one = next(iter(units))
+    only = {u: ("int4" if u == one else "bf16") for u in units}
+    mix, context = sensitivity.in_context(model, units, ["int4", "int8", "bf16"], only,
+                                          windows)
+    assert mix == pytest.approx(sensitivity.whole_damage(model, units, only, windows))
+    assert mix > 0
+    damages = {(d.unit, d.format): d.kl_div_mean for d in context}
+    assert damages[(one, "int4")] == 0.0  # its format in the mix: no change
+    assert damages[(one, "bf16")] == pytest.approx(-mix, abs=1e-6)  # the mix's only damage
+    other = next(u for u in units if u != one)
+    both = sensitivity.whole_damage(model, units, {**only, other: "int4"}, windows)
+    assert damages[(other, "int4")] == pytest.approx(both - mix, abs=1e-6)
+    after = sensitivity._log_probs(model, windows)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

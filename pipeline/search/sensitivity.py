@@ -75,6 +75,92 @@ def _log_probs(model: Any, windows: list[list[int]]) -> list[Any]:
                                   .float(), dim=-1).cpu() for w in windows]
 
 
+def _kl(base: list[Any], varied: list[Any], windows: list[list[int]]) -> tuple[float, float]:
+    """(mean KL(base || varied) per token, top-1 agreement) over ``windows``."""
+    import torch
+
+    kl = agree = count = 0.0
+    for b, v, w in zip(base, varied, windows, strict=True):
+        stats = token_stats(b, v, torch.tensor(w[1:]))
+        kl += float(stats["kl"].sum())
+        agree += float(stats["agree"].sum())
+        count += len(w) - 1
+    return kl / count, agree / count
+
+
+class _Quantized:
+    """``units`` of ``model`` quantized in place as ``choice`` says (round-to-nearest), and put
+    back as they were on exit."""
+
+    def __init__(self, model: Any, units: dict[str, list[str]], choice: dict[str, str]) -> None:
+        self.model, self.units, self.choice = model, units, choice
+        self.originals: dict[str, Any] = {}
+
+    def __enter__(self) -> _Quantized:
+        named = dict(self.model.named_modules())
+        for unit, fmt in self.choice.items():
+            if fmt == KEEP:
+                continue
+            for n in self.units[unit]:
+                self.originals[n] = copy.deepcopy(named[n])
+                _quantize_in_place(named[n], fmt)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for n, original in self.originals.items():
+            _put(self.model, n, original)
+
+
+def whole_damage(model: Any, units: dict[str, list[str]], choice: dict[str, str],
+                 windows: list[list[int]]) -> float:
+    """The KL of the whole mix at once (every unit as ``choice`` says, round-to-nearest), on
+    ``windows``: what the summed per-unit damages predict, without assuming they add up."""
+    base = _log_probs(model, windows)
+    with _Quantized(model, units, choice):
+        varied = _log_probs(model, windows)
+    return _kl(base, varied, windows)[0]
+
+
+def in_context(model: Any, units: dict[str, list[str]], formats: list[str],
+               choice: dict[str, str], windows: list[list[int]],
+               progress: Callable[[int, int, list[Damage]], None] | None = None
+               ) -> tuple[float, list[Damage]]:
+    """Each unit re-scored in the context of ``choice``: (the whole mix's KL, per unit and
+    format the KL of the mix with that unit in that format instead, minus the mix's). Where
+    most units are 4-bit, damages do not add up; these marginal damages are the mix's own."""
+    base = _log_probs(model, windows)
+    out = []
+    with _Quantized(model, units, choice) as mixed:
+        mix = _kl(base, _log_probs(model, windows), windows)[0]
+        named = dict(model.named_modules())
+        for i, (unit, names) in enumerate(units.items()):
+            held = {n: named[n] for n in names}  # the mix's modules of this unit
+            for fmt in formats:
+                size = unit_bytes([mixed.originals.get(n, held[n]) for n in names], fmt)
+                if fmt == choice[unit]:
+                    out.append(Damage(unit, fmt, size, 0.0, 1.0))
+                    continue
+                try:
+                    for n in names:
+                        fresh = copy.deepcopy(mixed.originals.get(n, held[n]))
+                        if fmt != KEEP:
+                            _quantize_in_place(fresh, fmt)
+                        _put(model, n, fresh)
+                    kl, agree = _kl(base, _log_probs(model, windows), windows)
+                finally:
+                    for n, module in held.items():
+                        _put(model, n, module)
+                out.append(Damage(unit, fmt, size, kl - mix, agree))
+            if progress:
+                progress(i + 1, len(units), out[-len(formats):])
+    return mix, out
+
+
+def _put(model: Any, name: str, module: Any) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
 def scan(model: Any, units: dict[str, list[str]], formats: list[str],
          windows: list[list[int]],
          progress: Callable[[int, int, list[Damage]], None] | None = None) -> list[Damage]:

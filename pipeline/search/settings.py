@@ -52,6 +52,10 @@ class SearchSettings(StageSettings):
                             "(round-to-nearest scan, GPTQ checkpoints)", json_schema_extra={
                                 "negative": "--no-calibrate",
                                 "negative_help": "use the damages as scanned"})
+    refine: bool = Field(False, description="a second pass: re-score every unit in the first "
+                         "choice's context and re-solve; the prediction is then the mix's "
+                         "whole-model KL (about as long as the scan)", json_schema_extra={
+                             "make": "REFINE=1"})
     threshold: float = Field(96.0, gt=0, le=1000,
                              description="the recipe's recovery threshold, percent",
                              json_schema_extra={"make": "THRESHOLD"})

@@ -28,7 +28,14 @@ from pipeline.search import budget as budgets
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
 from pipeline.search import table as tables
-from pipeline.search.sensitivity import FORMATS, Damage, scan, unit_bytes
+from pipeline.search.sensitivity import (
+    FORMATS,
+    Damage,
+    in_context,
+    scan,
+    unit_bytes,
+    whole_damage,
+)
 from pipeline.search.settings import SearchSettings, SensitivitySettings
 from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
 from pipeline.search.units import fuse
@@ -217,11 +224,15 @@ def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
 
 
 def choose(table: SensitivityTable, settings: SearchSettings,
-           left_out: dict[str, str] | None = None, factors: dict[str, float] | None = None
+           left_out: dict[str, str] | None = None, factors: dict[str, float] | None = None,
+           opts: dict[str, list[Option]] | None = None, offset: float = 0.0
            ) -> tuple[Choice, str, str]:
     """(the choice with totals over the whole model, how it was chosen, the default name);
     ``left_out``: the formats the menu left out, and why; ``factors``: each format's
-    calibration (the damages the solver weighs and the prediction are calibrated)."""
+    calibration (the damages the solver weighs and the prediction are calibrated); ``opts``
+    and ``offset``: other options (damages re-scored in a mix's context, which ``offset``, the
+    mix's own damage, is added to)."""
+    opts = opts or options(table, factors)
     if (settings.budget is None) == (settings.max_damage is None):
         raise ConfigError("give exactly one of BUDGET= (weight memory, e.g. 1.15xint4 or "
                           "130MB) and MAX_DAMAGE= (summed KL, e.g. 0.05).")
@@ -232,10 +243,10 @@ def choose(table: SensitivityTable, settings: SearchSettings,
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
         how = f"least predicted damage within {reads} = {limit:,} bytes of weights"
-        return (least_damage(options(table, factors), limit, fixed), how,
+        return (least_damage(opts, limit, fixed), how,
                 f"searched-{budgets.slug(settings.budget)}")
     damage = float(settings.max_damage or 0)
-    return (fewest_bytes(options(table, factors), damage, fixed),
+    return (fewest_bytes(opts, damage - offset, fixed),
             f"fewest weight bytes with predicted damage <= {damage:g}", f"searched-kl{damage:g}")
 
 
@@ -257,6 +268,35 @@ def predictions_held(baseline_name: str) -> str:
             + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in found))
 
 
+def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
+            left_out: dict[str, str]) -> tuple[Choice, str]:
+    """The second pass: every unit re-scored in the context of the first choice (its marginal
+    damage in that mix, round-to-nearest, on the scan's text), the choice re-solved with those,
+    and its prediction the re-solved mix's whole-model KL, measured at once (no additivity
+    assumed). About as long as the scan."""
+    from transformers import AutoTokenizer
+
+    base = baselines.resolve(settings.baseline)
+    model, _ = _load(base)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    ids = heldout.scan_part(tokenizer(heldout.heldout_text(), add_special_tokens=True)
+                            .input_ids, table.tokens)
+    windows = heldout.windows(ids)
+    log.info(f"re-scoring {len(table.units)} units in the context of the first choice "
+             f"({first.damage:.4f} predicted)")
+    mix, context = in_context(model, table.units, table.formats, first.formats, windows,
+                              progress=_progress(time.monotonic()))
+    opts = {unit: [Option(d.format, d.bytes, d.kl_div_mean) for d in context if d.unit == unit]
+            for unit in table.units}
+    again, _, _ = choose(table, settings, left_out, opts=opts, offset=mix)
+    measured = whole_damage(model, table.units, again.formats, windows)
+    changed = sum(again.formats[u] != first.formats[u] for u in table.units)
+    return (Choice(again.formats, again.bytes, measured),
+            f"the re-solved mix's whole-model KL, round-to-nearest on the scan's text, measured "
+            f"at once: {measured:.4f} (the first choice's summed damages {first.damage:.4f}, "
+            f"its whole-model KL {mix:.4f}; {changed} unit(s) changed)")
+
+
 def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
@@ -264,6 +304,10 @@ def run_search(settings: SearchSettings) -> Path:
     factors, calibrated = calibration(table) if settings.calibrate else (
         {}, "not calibrated (--no-calibrate)")
     choice, how, default_name = choose(table, settings, menu.left_out, factors)
+    refined = ""
+    if settings.refine:
+        choice, refined = _refine(table, settings, choice, menu.left_out)
+        how += ", re-solved with each unit re-scored in the first choice's context"
     raw = table.predicted(choice.formats)[1]
     if not menu.target.here:
         how += f", for {menu.target.name}"
@@ -281,14 +325,15 @@ def run_search(settings: SearchSettings) -> Path:
         "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens,
         "target": menu.target.name, "target_described": menu.target.described,
         "predictions_held": record, "calibration": calibrated,
-        "predicted_damage_as_scanned": round(raw, 6)})
+        "predicted_damage_as_scanned": round(raw, 6),
+        **({"refined": refined} if refined else {})})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
-    print(f"how such predictions have held: {record}\nthe prediction: {calibrated}"
-          + (f" (as scanned: {raw:.4f})" if factors else ""))
+    print(f"how such predictions have held: {record}\nthe prediction: "
+          + (refined or calibrated + (f" (as scanned: {raw:.4f})" if factors else "")))
     if not menu.target.here:
         print(f"for {menu.target.described}: served there, not here; on this machine bench "
               "reports it unsupported with vLLM's reason and eval scores it emulated "
