@@ -59,11 +59,13 @@ TARGET_USERS  ?=
 TARGET_RPS    ?=
 # precision search: the machine the recipe is for (an accelerator preset, cpu-avx2, cpu-avx512;
 # default: this one), the menu (default: every format vLLM serves there, and bf16), the held-out
-# tokens each unit is scored on, and the budget (130MB | 0.45 | 45% | 1.15xint4) or MAX_DAMAGE
+# tokens each unit is scored on, and the budget (130MB | 0.45 | 45% | 1.15xint4) or MAX_DAMAGE,
+# and/or a speed budget SPEEDUP=1.2 (from the uniform variants' measured speedups); REFINE=1
 TARGET        ?=
 FORMATS       ?=
 SCAN_TOKENS   ?=
 BUDGET        ?=
+SPEEDUP       ?=
 MAX_DAMAGE    ?=
 NAME          ?=
 REFINE        ?=
@@ -199,8 +201,8 @@ sensitivity: $(PIPELINE_STAMP) $(SERVE_STAMP) ## damage of each unit quantized a
 
 search: $(PIPELINE_STAMP) $(SERVE_STAMP) ## a mixed-precision recipe: BUDGET=1.15xint4 (or MAX_DAMAGE=) -> recipes/searched-*.yaml
 	@$(QPIPE) search --baseline $(BASELINE) $(SCAN_OPTS) $(call opt,--budget,$(BUDGET)) \
-	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--name,$(NAME)) \
-	  $(call opt,--threshold,$(THRESHOLD)) $(if $(REFINE),--refine)
+	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--speedup,$(SPEEDUP)) \
+	  $(call opt,--name,$(NAME)) $(call opt,--threshold,$(THRESHOLD)) $(if $(REFINE),--refine)
 
 # how often each verdict is wrong, simulated against a known truth (RUNS= draws, FAST=1 subset)
 RUNS          ?=

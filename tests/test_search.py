@@ -227,7 +227,7 @@ def test_the_search_chooses_within_the_budget_over_the_whole_model():
     assert (choice.bytes, choice.damage) == pytest.approx(table.predicted(choice.formats))
     smallest, _, name = stage.choose(table, SearchSettings(max_damage=0.05))
     assert smallest.damage <= 0.05 and name == "searched-kl0.05"
-    with pytest.raises(ConfigError, match=r"exactly one of BUDGET= .* and MAX_DAMAGE="):
+    with pytest.raises(ConfigError, match=r"give one of BUDGET= .* and MAX_DAMAGE=.*, or SPEEDUP="):
         stage.choose(table, SearchSettings(budget="0.9", max_damage=0.1))
     with pytest.raises(ConfigError, match="do not even hold the weights no format changes"):
         stage.choose(table, SearchSettings(budget="150"))
@@ -480,3 +480,42 @@ def test_units_rescored_in_a_mixes_context_are_that_mixes_own_damages(tiny_model
     assert damages[(other, "int4")] == pytest.approx(both - mix, abs=1e-6)
     after = sensitivity._log_probs(model, windows)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: Path):
+    """SPEEDUP=: the least damage whose predicted throughput clears the target, predicted from
+    the uniform variants' measured speedups (as on vLLM CPU: int8 faster, fp8 ten times
+    slower); a target no mix reaches names the fastest one."""
+    from pipeline.core.artifacts import Comparison, PlanTarget, Row
+
+    table = _sensitivity_table()  # units of 100 bf16 bytes each: a quarter of the time each
+    table = table.model_copy(update={"formats": ["int4", "int8", "fp8", "bf16"], "damages": [
+        *table.damages, *[UnitDamage(unit=u, format="fp8", bytes=55, kl_div_mean=0.0005,
+                                     top1_agreement=1.0) for u in table.units]]})
+    with pytest.raises(ConfigError, match="no uniform variant's speed is measured"):
+        stage.choose(table, SearchSettings(speedup=1.05))
+
+    def served(name: str, speedup: float | None) -> Row:
+        return Row(name=name, recipe=name, scheme="S", format="f", precision=name,
+                   weight_bytes=1, weight_ratio=0.5, serving="ok" if speedup else "unsupported",
+                   headline={"speedup": speedup} if speedup else {})
+
+    Comparison(baseline="toy", workload="chat", load_point=4, plan_target=PlanTarget(),
+               recommendation=None, reason="", hardware="a test CPU",
+               rows=[served("int8", 1.2), served("fp8", 0.1), served("int4", None)]).write(
+        Comparison.directory("toy") / Comparison.FILE)
+    speed, basis = stage.speeds(table)
+    assert speed == {"bf16": 1.0, "int8": 1.2, "fp8": 0.1}
+    assert "chat concurrency 4" in basis and "a test CPU" in basis
+    # least damage alone would take fp8 everywhere (0.0005 a unit); at >= 1.1x it cannot
+    choice, how, name = stage.choose(table, SearchSettings(speedup=1.1))
+    assert "fp8" not in choice.formats.values() and "int4" not in choice.formats.values()
+    assert 1 / choice.time >= 1.1 and name == "searched-1.1x"
+    assert "int4 left out: not served and measured there" in how
+    # every unit at int8 is the fastest mix: 1.2x
+    with pytest.raises(ConfigError, match=r"fastest mix .* predicted at 1.2x\. Fix: SPEEDUP= "
+                       r"at most 1.2"):
+        stage.choose(table, SearchSettings(speedup=1.3))
+    # beside a memory budget: both hold
+    both, _, _ = stage.choose(table, SearchSettings(speedup=1.05, budget="430"))
+    assert both.bytes <= 430 and 1 / both.time >= 1.05

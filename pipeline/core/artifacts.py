@@ -562,6 +562,7 @@ class Prediction(BaseModel):
     predicted_kl: float
     predicted_weight_bytes: int = 0
     basis: str
+    predicted_speedup: float | None = None  # a speed budget's: from the uniform speedups
 
     HELD: ClassVar[tuple[float, float]] = (0.75, 1.33)  # measured/predicted: the prediction held
 

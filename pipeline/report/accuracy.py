@@ -67,7 +67,8 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
     if "predicted_damage" in found:
         row.search = Prediction(predicted_kl=float(found["predicted_damage"]),
                                 predicted_weight_bytes=int(found.get("weight_bytes") or 0),
-                                basis=f"searched: {found.get('how', '?')}")
+                                basis=f"searched: {found.get('how', '?')}",
+                                predicted_speedup=found.get("predicted_speedup"))
         if found.get("target") not in (None, "here"):
             row.notes.append(f"searched for {found.get('target_described') or found['target']}"
                              ": its menu is that machine's; where this machine does not serve "

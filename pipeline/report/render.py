@@ -244,6 +244,11 @@ def search_lines(comparison: Comparison) -> list[str]:
                        "trusted, its measured KL is"))
         out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
                    f"summed; {row.search.basis}), {tail}")
+        if row.search.predicted_speedup:
+            found = speedup_of(row.headline)
+            out.append(f"{row.name}: predicted speedup {row.search.predicted_speedup:.2f}x, "
+                       + (f"measured {found.text()} {found.verdict}" if found is not None
+                          else "its speed not measured (make bench)"))
     if out:
         out.insert(0, "precision search, predicted against measured: the search predicts a "
                    "recipe's damage as the sum of each unit's damage when quantized alone "

@@ -45,6 +45,11 @@ class SearchSettings(StageSettings):
         None, ge=0, description="instead of BUDGET: the smallest weights whose predicted "
         "damage (summed KL, nats/token) stays within this", json_schema_extra={
             "make": "MAX_DAMAGE"})
+    speedup: float | None = Field(
+        None, gt=0, description="a speed budget: the least damage whose predicted throughput "
+        "is at least this multiple of the baseline's (from the uniform variants' speedups "
+        "measured in the newest comparison); alone or with BUDGET= / MAX_DAMAGE=",
+        json_schema_extra={"make": "SPEEDUP"})
     name: str | None = Field(None, description="the recipe to write, recipes/NAME.yaml "
                              "(default: searched-<budget>)", json_schema_extra={"make": "NAME"})
     calibrate: bool = Field(True, description="scale each format's scanned damages by its "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -196,6 +197,39 @@ def options(table: SensitivityTable, factors: dict[str, float] | None = None
                    for d in table.damages if d.unit == unit] for unit in table.units}
 
 
+def speeds(table: SensitivityTable) -> tuple[dict[str, float], str]:
+    """Per format, the uniform variant's measured speedup over the baseline at the newest
+    comparison's headline load point (on the engine that served it; bf16 is 1), and where
+    from. A format no comparison served is not in it."""
+    name = table.baseline.get("name", "")
+    comparison = Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
+    if comparison is None:
+        return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
+    found = {searched.KEEP: 1.0}
+    for row in comparison.rows:
+        if row.name in table.formats and row.name != searched.KEEP and row.comparable \
+                and row.serving == "ok" and row.speedup:
+            found[row.name] = round(row.speedup, 4)
+    when = comparison.meta.get("created", "")
+    where = comparison.hardware or "the machine that ran it"
+    return found, (f"the uniform variants' measured speedups at {comparison.workload} "
+                   f"concurrency {comparison.load_point} in the newest comparison"
+                   f"{f' ({when})' if when else ''}, on {where}: "
+                   + ", ".join(f"{f} {x:.2f}x" for f, x in found.items() if f != searched.KEEP))
+
+
+def timed(opts: dict[str, list[Option]], table: SensitivityTable,
+          speed: dict[str, float]) -> dict[str, list[Option]]:
+    """The options with their predicted share of the baseline's serving time: a unit's share
+    of the linear layers' weights over its format's measured uniform speedup (serving time
+    as a fixed part plus the linear layers', each in proportion to its weights: exact for
+    every uniform variant); formats with no measured speedup left out."""
+    total = sum(table.damage(u, searched.KEEP).bytes for u in table.units)
+    return {unit: [Option(o.format, o.bytes, o.damage,
+                          table.damage(unit, searched.KEEP).bytes / total / speed[o.format])
+                   for o in unit_opts if o.format in speed] for unit, unit_opts in opts.items()}
+
+
 def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
     """Per format, the uniform variant's measured over predicted KL in the newest comparison
     of this baseline: the scan is round-to-nearest, the checkpoints GPTQ, and the measured
@@ -233,21 +267,39 @@ def choose(table: SensitivityTable, settings: SearchSettings,
     and ``offset``: other options (damages re-scored in a mix's context, which ``offset``, the
     mix's own damage, is added to)."""
     opts = opts or options(table, factors)
-    if (settings.budget is None) == (settings.max_damage is None):
-        raise ConfigError("give exactly one of BUDGET= (weight memory, e.g. 1.15xint4 or "
-                          "130MB) and MAX_DAMAGE= (summed KL, e.g. 0.05).")
+    if (settings.budget is not None and settings.max_damage is not None) or not (
+            settings.budget or settings.max_damage is not None or settings.speedup):
+        raise ConfigError("give one of BUDGET= (weight memory, e.g. 1.15xint4 or 130MB) and "
+                          "MAX_DAMAGE= (summed KL, e.g. 0.05), or SPEEDUP= (e.g. 1.2), or "
+                          "SPEEDUP= with one of them.")
     fixed = table.fixed_bytes
+    max_time, fast = None, ""
+    if settings.speedup:
+        speed, basis = speeds(table)
+        missing = [f for f in table.formats if f not in speed]
+        if len(speed) < 2:
+            raise ConfigError(f"SPEEDUP={settings.speedup:g}: no uniform variant's speed is "
+                              f"measured to predict a mix's from: {basis}. Fix: make all "
+                              "RECIPE=\"int4 int8\" (on the engine the recipe is for).")
+        opts, max_time = timed(opts, table, speed), 1 / settings.speedup
+        fast = (f", predicted >= {settings.speedup:g}x the baseline's throughput from {basis}"
+                + (f" ({', '.join(missing)} left out: not served and measured there)"
+                   if missing else ""))
+    if settings.budget is None and settings.max_damage is None:
+        return (least_damage(opts, math.inf, fixed, max_time),
+                f"least predicted damage{fast}", f"searched-{settings.speedup:g}x")
     if settings.budget is not None:
         limit, reads = budgets.parse(settings.budget, table, left_out)
         if limit <= fixed:
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
-        how = f"least predicted damage within {reads} = {limit:,} bytes of weights"
-        return (least_damage(opts, limit, fixed), how,
+        how = f"least predicted damage within {reads} = {limit:,} bytes of weights{fast}"
+        return (least_damage(opts, limit, fixed, max_time), how,
                 f"searched-{budgets.slug(settings.budget)}")
     damage = float(settings.max_damage or 0)
-    return (fewest_bytes(opts, damage - offset, fixed),
-            f"fewest weight bytes with predicted damage <= {damage:g}", f"searched-kl{damage:g}")
+    return (fewest_bytes(opts, damage - offset, fixed, max_time),
+            f"fewest weight bytes with predicted damage <= {damage:g}{fast}",
+            f"searched-kl{damage:g}")
 
 
 def predictions_held(baseline_name: str) -> str:
@@ -326,12 +378,16 @@ def run_search(settings: SearchSettings) -> Path:
         "target": menu.target.name, "target_described": menu.target.described,
         "predictions_held": record, "calibration": calibrated,
         "predicted_damage_as_scanned": round(raw, 6),
+        **({"predicted_speedup": round(1 / choice.time, 4)} if settings.speedup else {}),
         **({"refined": refined} if refined else {})})
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
+    if settings.speedup:
+        print(f"predicted speedup: {1 / choice.time:.3f}x the baseline's throughput (make all "
+              f"RECIPE={name} measures it, with its interval)")
     print(f"how such predictions have held: {record}\nthe prediction: "
           + (refined or calibrated + (f" (as scanned: {raw:.4f})" if factors else "")))
     if not menu.target.here:
