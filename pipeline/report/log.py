@@ -38,6 +38,13 @@ def child_metrics(row: Row) -> dict[str, float]:
             m[key] = row.kv[key]
     if row.engine.engine_weight_memory_bytes:
         m[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = row.engine.engine_weight_memory_bytes
+    if row.search is not None:
+        m["predicted_kl"] = row.search.predicted_kl
+        ratio = row.search.ratio(row.divergence.get("kl_div_mean"))
+        if ratio is not None:
+            m["measured_over_predicted_kl"] = ratio
+        if row.search.predicted_speedup:
+            m["predicted_speedup"] = row.search.predicted_speedup
     if row.plan is not None:  # at the campaign's plan target (the parent's plan_* params)
         m.update(row.plan.model_dump())
     if row.serving == "ok":
@@ -118,6 +125,9 @@ def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, st
                           "gate": row.gate_status if row.name != BASELINE else "-"}
             if row.eval_backend:
                 child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
+            if row.search is not None:  # whether the search's prediction held, said here too
+                held = row.search.held(row.divergence.get("kl_div_mean"))
+                child_tags["prediction_held"] = "not measured" if held is None else str(held)
             if row.price is not None:  # a cost figure never without whose price it is
                 child_tags["price_basis"] = price_basis(row.price)
                 child_tags["price_source"] = row.price.source[:500]
