@@ -26,12 +26,11 @@ from pipeline.core.fsutil import atomic_dir, read_json, write_json_atomic
 from pipeline.core.variant import Variant
 from pipeline.eval import divergence, suites
 from pipeline.eval.settings import SEEDS, EvalSettings
+from pipeline.serve.server import VllmServer, serve_target
 from pipeline.serve.settings import EngineSettings
 
 if TYPE_CHECKING:
     from pipeline.serve import ServeError, ServerPool
-    from pipeline.serve.server import VllmServer
-
 log = qlog.get("eval")
 
 
@@ -106,8 +105,6 @@ def _max_model_len(model: Variant, settings: EvalSettings) -> int:
 def engine_for(model: Variant, settings: EvalSettings) -> EngineSettings:
     """The engine settings a served model is scored with: the campaign's (or eval's) own, its
     context capped at the model's, every automatic choice made for this host."""
-    from pipeline.serve.server import serve_target
-
     return settings.engine.model_copy(
         update={"max_model_len": _max_model_len(model, settings)}).resolved(serve_target())
 
@@ -263,8 +260,6 @@ def open_lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
     """(model or its name, model_args, the server) for simple_evaluate; serves the model when
     SERVED (through the pool's server when it holds one started with the same settings)."""
     if backend == SERVED:
-        from pipeline.serve.server import VllmServer
-
         engine = engine_for(model, settings)
         running = pool.get(model.path, model.served_name, engine, any_caching=True) \
             if pool else None

@@ -29,6 +29,7 @@ from pipeline.eval.lm import (
     served_failure,
 )
 from pipeline.eval.settings import EvalSettings
+from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
 
 if TYPE_CHECKING:
     from pipeline.serve import ServerPool
@@ -110,8 +111,6 @@ def score_variant(base_name: str, model: Variant, tasks: list[suites.Task], sett
     """Served when vLLM serves this format here (or ``--backend``), else emulated.
     ``emulate=False``: None where it is to be emulated, for the caller to score after every
     served model (a model loaded in this process holds GPU memory a vLLM server then needs)."""
-    from pipeline.serve import UnsupportedFormat, known_refusal, remember_refusal
-
     if settings.backend == "hf":
         return score_emulated(base_name, model, tasks, settings, force) if emulate else None
     known = known_refusal(model.identity)

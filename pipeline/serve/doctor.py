@@ -22,6 +22,7 @@ from pydantic import Field
 from pipeline.core import hardware, paths
 from pipeline.core.fsutil import read_json
 from pipeline.core.settings import StageSettings
+from pipeline.serve.server import WORKERS_DIR, serve_python
 
 SERVES, UNSUPPORTED, PARTIAL, UNKNOWN = "serves", "unsupported", "serves (degraded)", "unknown"
 SOURCE = "vLLM 0.32 source"
@@ -110,8 +111,6 @@ def cuda_support(prof: hardware.Profile) -> list[Support]:
 
 def probe_kernels(prof: hardware.Profile) -> dict[str, Any] | None:
     """The vLLM CPU kernel library and its ops, as a server here would load them."""
-    from pipeline.serve.server import WORKERS_DIR, serve_python
-
     if prof.target != "cpu" or not serve_python().exists():
         return None
     import os
