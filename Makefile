@@ -52,6 +52,9 @@ OBJECTIVE     ?=
 # the capacity search's latency objective (default: the capacity workload's slo, in ms)
 SLO_TTFT_MS   ?=
 SLO_ITL_MS    ?=
+# the unquantized serving every speedup is against: auto (float32 probed against bf16 on a CPU
+# without native bf16) or a dtype (bfloat16, float32: not probed)
+REFERENCE     ?=
 # cost: USD per hour of the measuring machine (default: the campaign's cost: block), and a
 # target load to size for (concurrent users or requests per second)
 PRICE_PER_HOUR ?=
@@ -110,7 +113,8 @@ endif
 ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
   $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP)) \
   $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
-SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SLO_ITL_MS))
+SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SLO_ITL_MS)) \
+  $(call opt,--reference,$(REFERENCE))
 COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 

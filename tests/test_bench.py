@@ -162,7 +162,9 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     # an AVX2-only CPU (or QPIPE_VLLM_CPU_ISA=avx2) has no W4A16 kernel: int4 is not served
     avx2 = hardware.profile().kernel_library == "_C_AVX2"
     with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
-        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool)
+        # the reference set: the probe of float32 against bf16 is the AVX2 test's below
+        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool,
+                              reference_dtype="bfloat16")
         served_models = (("baseline", base.path),) + (() if avx2 else (
             ("int4", workspace / "artifacts" / "variants" / base.name / "int4"),))
         kept = [pool.get(path, name, settings, any_caching=True)
@@ -314,7 +316,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
 
     # Nothing changed: the measurement is reused, not repeated, and not logged twice.
     started = _count_starts(monkeypatch)
-    again = bench.bench(base, ["int4"], loads, settings, target="cpu")
+    again = bench.bench(base, ["int4"], loads, settings, target="cpu",
+                        reference_dtype="bfloat16")
     assert started == [] and again == summary
     assert BenchSummary.read(BenchSummary.path(base.name, summary.key)) == summary
     assert len(mlflow.search_runs([experiment.experiment_id], output_format="list",
@@ -339,8 +342,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     # each load's verdict with its interval and n (two repeats of a tiny load: rarely decided)
     assert " at 1 (" in rows["int4"].crossover and " at 2 (" in rows["int4"].crossover
     assert "n=2" in rows["int4"].crossover
-    if hardware.profile().native_bf16:  # nothing faster to look for: no probe
-        assert summary.reference["dtype"] == "bfloat16" and "probe" not in summary.reference
+    assert summary.reference == {"dtype": "bfloat16", "why": "REFERENCE=bfloat16 (set, not "
+                                 "probed)"}
 
 
 def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
@@ -426,7 +429,8 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_as_planned_or_is_unsupported(
                                          .replace("repeats: 2", "repeats: 1"))
     loads = [workloads.load(str(workspace / "tiny.yaml"))]
     summary = bench.bench(base, ["int8-fp8kv"], loads,
-                          EngineSettings(max_model_len=512, kv_cache_space_gib=1), target="cpu")
+                          EngineSettings(max_model_len=512, kv_cache_space_gib=1), target="cpu",
+                          reference_dtype="bfloat16")
     entry, baseline = summary.models["int8-fp8kv"], summary.models["baseline"]
     if hardware.profile().kernel_library == "_C_AVX2":
         assert entry.status == "unsupported"

@@ -65,7 +65,8 @@ def _bench_baseline_only(tiny_model: Path, workspace: Path) -> Any:
     (workspace / "tiny.yaml").write_text(ONE_POINT)
     loads = [workloads.load(str(workspace / "tiny.yaml"))]
     base = baselines.resolve(str(tiny_model))
-    return bench.bench(base, [], loads, ENGINE, target="cpu").models["baseline"]
+    return bench.bench(base, [], loads, ENGINE, target="cpu",
+                       reference_dtype="bfloat16").models["baseline"]
 
 
 @pytest.mark.parametrize(("plan", "phase", "how"), [

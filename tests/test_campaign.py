@@ -251,7 +251,7 @@ def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
         {"path": "/v1/completions", "body": '"stream": true', "nth": 3, "action": "kill",
          "when": "mid-body"}]}, serve_python=serve_python())
     result = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
-                     "--max-model-len=512", env=env, timeout=1200)
+                     "--max-model-len=512", "--reference=bfloat16", env=env, timeout=1200)
     assert [e["served"] for e in faults.events(root)] == ["int8"], result.stderr[-3000:]
     # exit 1 and one line at the end: int8 failed in bench, the rest was measured
     assert result.returncode == 1, result.stderr[-3000:]

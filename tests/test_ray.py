@@ -159,6 +159,7 @@ def test_on_ray_each_variant_is_benched_beside_its_own_baseline_server(
         "workloads: []", f"workloads: [{tmp_path / 'tiny.yaml'}]"))
     done = run_cli("campaign", "--baseline", str(tiny_model), "--campaign", str(spec),
                    "--executor", "ray", "--ray-address", ray_cluster, "--max-model-len=512",
+                   "--reference=bfloat16",
                    env={"QPIPE_ARTIFACTS": str(tmp_path / "artifacts"),
                         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -27,8 +27,11 @@ FLOAT32 = "float32"
 
 
 def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: Path,
-           logs: Path, target: str) -> dict[str, Any]:
-    """``{"dtype": ..., "why": ...}`` (and the probe's figures where one ran)."""
+           logs: Path, target: str, wanted: str = "auto") -> dict[str, Any]:
+    """``{"dtype": ..., "why": ...}`` (and the probe's figures where one ran); ``wanted``: a
+    dtype the user set (``REFERENCE=``), taken as it is."""
+    if wanted != "auto":
+        return {"dtype": wanted, "why": f"REFERENCE={wanted} (set, not probed)"}
     if target != "cpu":
         return {"dtype": settings.dtype, "why": "the engine's dtype (GPU)"}
     prof = hardware.profile()

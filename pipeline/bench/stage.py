@@ -35,7 +35,7 @@ log = qlog.get("bench")
 
 
 def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSettings,
-              target: str) -> str:
+              target: str, reference_dtype: str = "auto") -> str:
     payload = {"models": [(m.recipe, m.identity) for m in models],
                # a request file counts by its content (file_sha256), not where it lies
                "workloads": [{**dataclasses.asdict(w), "path": w.name, "prompts": "",
@@ -43,6 +43,7 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                "engine": settings.identity(), "target": target, "vllm": vllm_version(),
                "attainment": slo.COUNTED, "warm_up": workloads_mod.WARM_UP,
                "hardware": hardware.profile().key(),
+               **({"reference": reference_dtype} if reference_dtype != "auto" else {}),
                **({"capacity_rule": slo.RULE} if any(w.slo is not None for w in loads) else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
                           ).hexdigest()[:16]
@@ -50,11 +51,12 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
 
 def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workload],
           settings: EngineSettings, force: bool = False, target: str | None = None,
-          pool: ServerPool | None = None) -> BenchSummary:
+          pool: ServerPool | None = None, reference_dtype: str = "auto") -> BenchSummary:
     """Measure the baseline and the variants; the summary is also on disk and in MLflow.
 
     With a ``pool``, the servers of the speed sweeps (prefix caching off) stay up in it for
-    the next stage.
+    the next stage. ``reference_dtype``: the baseline's dtype every speedup is against
+    (``auto``: :mod:`pipeline.bench.reference` chooses).
     """
     target = target or hardware.serve_target()
     settings = settings.resolved(target)  # eager on CPUs, compiled on GPUs: recorded as such
@@ -64,7 +66,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
                           f"the engine's max_model_len {settings.max_model_len}: raise "
                           "--max-model-len (MAX_MODEL_LEN=) or shorten the workload.")
     models = with_baseline(base, recipes)
-    key = cache_key(models, loads, settings, target)
+    key = cache_key(models, loads, settings, target, reference_dtype)
     path = BenchSummary.path(base.name, key)
     cached = BenchSummary.read(path)
     failed = [n for n, e in cached.models.items() if e.status == "failed"] if cached else []
@@ -78,7 +80,8 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
                  "re-measures).")
         summary = cached
     else:
-        summary = _measure_all(base, models, loads, settings, key, target, force, pool)
+        summary = _measure_all(base, models, loads, settings, key, target, force, pool,
+                               reference_dtype)
     print(format_table(summary, loads))
     if not reused or not tracking.find_run(base.name, STAGE, key):
         log_runs(summary, loads, settings, path.parent)
@@ -88,7 +91,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
 
 def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Workload],
                  settings: EngineSettings, key: str, target: str, force: bool,
-                 pool: ServerPool | None) -> BenchSummary:
+                 pool: ServerPool | None, reference_dtype: str = "auto") -> BenchSummary:
     records = {m.name: ModelRecord(m) for m in models}
     if not force:
         recall_unsupported(records)
@@ -103,7 +106,8 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     searches = tuple(w for w in loads if w.slo is not None)
     started = time.monotonic()
     with atomic_dir(out) as tmp:
-        chosen = reference.choose(models[0], loads, settings, tmp, logs, target)
+        chosen = reference.choose(models[0], loads, settings, tmp, logs, target,
+                                  reference_dtype)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
         measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)
                         or any(w.runs_on(m.name) for w in searches)]), cold,
@@ -137,7 +141,8 @@ def run(settings: BenchSettings, pool: ServerPool | None = None) -> BenchSummary
     for w in loads:  # REPEATS= can leave a search too few requests to decide a point
         workloads_mod.check_search(w)
     return bench(baselines.resolve(settings.baseline), list(settings.recipes) or None, loads,
-                 settings.engine, settings.force, pool=pool)
+                 settings.engine, settings.force, pool=pool,
+                 reference_dtype=settings.reference)
 
 
 def failures(summary: BenchSummary) -> dict[str, str]:
