@@ -120,3 +120,42 @@ def test_native_bf16_decides_whether_float32_is_probed_as_the_reference(
     monkeypatch.setattr(hardware, "profile", lambda: _cpu(AVX2_ONLY))
     assert "no speed sweep" in reference.choose(base, [], EngineSettings(), tmp_path,
                                                 tmp_path, "cpu")["why"]
+    # set by the user: taken as it is, nothing probed
+    assert reference.choose(base, [], EngineSettings(), tmp_path, tmp_path, "cpu",
+                            "float32") == {"dtype": "float32",
+                                           "why": "REFERENCE=float32 (set, not probed)"}
+
+
+def test_a_probes_decision_is_reused_by_the_next_bench_run_here(
+        monkeypatch: pytest.MonkeyPatch, workspace) -> None:
+    """The float32-against-bf16 probe costs two servers and a few runs: its decision is kept
+    by the baseline, hardware, engine, vLLM and sweep, and reused until FORCE=1."""
+    from pipeline.bench import reference, workloads
+    from pipeline.core.variant import Variant
+    from pipeline.serve import EngineSettings
+    from tests.conftest import TINY_LOAD
+
+    monkeypatch.setattr(hardware, "profile", lambda: _cpu(AVX2_ONLY))
+    (workspace / "tiny.yaml").write_text(TINY_LOAD)
+    sweep = workloads.load(str(workspace / "tiny.yaml"))
+    probes = []
+
+    def measure(groups, steps, records, *args, **kwargs):  # float32 1.5x bf16, every repeat
+        probes.append(len(steps))
+        for name, record in records.items():
+            tps = 15.0 if name.endswith("float32") else 10.0
+            record.runs[sweep.name] = {sweep.headline: [
+                {"output_throughput": tps * (1 + 0.01 * r), "completed": 4, "num_prompts": 4}
+                for r in range(len(steps))]}
+
+    monkeypatch.setattr(reference, "measure", measure)
+    monkeypatch.setattr(reference, "point_figures", lambda runs, base, looks: {
+        "speedup": 1.5, "speedup_ci_low": 1.4, "speedup_ci_high": 1.6, "speedup_n": 2,
+        "speedup_verdict": "faster"})
+    base = Variant("baseline", workspace, "B")
+    first = reference.choose(base, [sweep], EngineSettings(), workspace, workspace, "cpu")
+    assert first["dtype"] == "float32" and probes == [sweep.repeats]
+    again = reference.choose(base, [sweep], EngineSettings(), workspace, workspace, "cpu")
+    assert again["dtype"] == "float32" and "reused" in again["why"] and len(probes) == 1
+    reference.choose(base, [sweep], EngineSettings(), workspace, workspace, "cpu", force=True)
+    assert len(probes) == 2

@@ -10,14 +10,19 @@ reference when it is shown faster. Elsewhere the reference is the engine's dtype
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 from pipeline.bench.measure import ModelRecord, Step, measure
 from pipeline.bench.summary import point_figures, speedup_of
 from pipeline.bench.workloads import Workload
-from pipeline.core import hardware
+from pipeline.core import hardware, paths
 from pipeline.core import log as qlog
+from pipeline.core.fsutil import read_json, write_json_atomic
+from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import FASTER
 from pipeline.core.variant import BASELINE, Variant
 from pipeline.serve import EngineSettings
@@ -26,10 +31,23 @@ log = qlog.get("bench")
 FLOAT32 = "float32"
 
 
+def _probe_record(base: Variant, sweep: Workload, settings: EngineSettings) -> Path:
+    """Where a probe's decision is kept: by the baseline, this hardware, the engine, vLLM and
+    the sweep it ran at, so that the next bench run here takes the same reference."""
+    payload = {"baseline": base.identity, "hardware": hardware.profile().key(),
+               "engine": settings.identity(), "vllm": vllm_version(),
+               "sweep": dataclasses.asdict(sweep)}
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
+                         ).hexdigest()[:16]
+    return paths.artifacts_dir() / "cache" / "reference" / f"{key}.json"
+
+
 def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: Path,
-           logs: Path, target: str, wanted: str = "auto") -> dict[str, Any]:
+           logs: Path, target: str, wanted: str = "auto", force: bool = False
+           ) -> dict[str, Any]:
     """``{"dtype": ..., "why": ...}`` (and the probe's figures where one ran); ``wanted``: a
-    dtype the user set (``REFERENCE=``), taken as it is."""
+    dtype the user set (``REFERENCE=``), taken as it is. A probe's decision is kept and reused
+    by the next bench run with the same inputs (``FORCE=1`` probes again)."""
     if wanted != "auto":
         return {"dtype": wanted, "why": f"REFERENCE={wanted} (set, not probed)"}
     if target != "cpu":
@@ -42,6 +60,12 @@ def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: 
                   and w.models == "all"), None)
     if sweep is None:
         return {"dtype": settings.dtype, "why": "no speed sweep to compare bf16 and float32 on"}
+    record = _probe_record(base, sweep, settings)
+    kept = read_json(record) if record.is_file() and not force else None
+    if kept and kept.get("dtype"):
+        log.info(f"reference: the baseline in {kept['dtype']}, as probed before ({record})")
+        return {**kept, "why": f"{kept['why']}; probed in an earlier bench run here, reused "
+                               "(FORCE=1 probes again)"}
     fp32 = Variant(f"{BASELINE}-{FLOAT32}", base.path, base.identity)
     records = {BASELINE: ModelRecord(base), fp32.name: ModelRecord(fp32)}
     log.info(f"this CPU has no native bf16 ({prof.kernel_library}): serving the baseline in "
@@ -63,7 +87,9 @@ def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: 
     why = (f"{FLOAT32} serves the baseline at {found.text()} its {settings.dtype} throughput "
            f"here ({found.verdict}; no native bf16 on this CPU)")
     log.info(f"reference: the baseline in {chosen}: {why}")
-    return {"dtype": chosen, "why": why, "probe": {
+    decided = {"dtype": chosen, "why": why, "probe": {
         "workload": sweep.name, "concurrency": sweep.headline, "float32_vs_bf16": found.as_dict(),
         "bf16_tok_s": [r["output_throughput"] for r in base_runs],
         "float32_tok_s": [r["output_throughput"] for r in runs]}}
+    write_json_atomic(record, decided)
+    return decided

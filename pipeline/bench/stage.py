@@ -107,7 +107,7 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     started = time.monotonic()
     with atomic_dir(out) as tmp:
         chosen = reference.choose(models[0], loads, settings, tmp, logs, target,
-                                  reference_dtype)
+                                  reference_dtype, force)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
         measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)
                         or any(w.runs_on(m.name) for w in searches)]), cold,
