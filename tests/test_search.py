@@ -14,9 +14,9 @@ from pipeline.core import paths
 from pipeline.core.artifacts import SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError, RecipeError
 from pipeline.search import budget as budgets
+from pipeline.search import measured, stage
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
-from pipeline.search import stage
 from pipeline.search import table as tables
 from pipeline.search.settings import SearchSettings
 from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
@@ -395,7 +395,7 @@ def test_a_searched_recipe_says_how_the_predictions_have_held(workspace: Path):
     searched recipe (and MAX_DAMAGE= trusts a prediction only as far as these held)."""
     from pipeline.core.artifacts import Comparison, PlanTarget, Prediction, Row
 
-    assert stage.predictions_held("Tiny") == ""
+    assert measured.predictions_held("Tiny") == ""
 
     def row(name: str, predicted: float, measured: float | None) -> Row:
         found = Row(name=name, recipe=name, scheme="S", format="f", precision="p",
@@ -410,7 +410,7 @@ def test_a_searched_recipe_says_how_the_predictions_have_held(workspace: Path):
                             rows=[row("int4", 0.4, 0.6), row("s", 0.2, 0.22),
                                   row("int8", 0.1, None)], meta={"created": "2026-12-02"})
     comparison.write(Comparison.directory("Tiny") / Comparison.FILE)
-    assert stage.predictions_held("Tiny") == (
+    assert measured.predictions_held("Tiny") == (
         "1 of 2 predictions held (measured within 0.75-1.33x of predicted) in the newest "
         "comparison (2026-12-02): int4 1.50x, s 1.10x")
 
@@ -422,7 +422,7 @@ def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(wo
     from pipeline.core.artifacts import Comparison, PlanTarget, Prediction, Row
 
     table = _sensitivity_table()  # int4 damages 0.01-0.04 (sum 0.1), int8 0.001-0.004
-    assert stage.calibration(table) == ({}, "not calibrated: no comparison of this baseline "
+    assert measured.calibration(table) == ({}, "not calibrated: no comparison of this baseline "
                                             "yet")
 
     def uniform(fmt: str, measured: float) -> Row:
@@ -435,7 +435,7 @@ def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(wo
                recommendation=None, reason="", rows=[uniform("int4", 1.5), uniform("int8", 20)],
                meta={"created": "2026-12-02"}).write(
         Comparison.directory("toy") / Comparison.FILE)
-    factors, how = stage.calibration(table)
+    factors, how = measured.calibration(table)
     assert factors == {"int4": 1.5, "int8": 20.0}
     assert "int4 1.50x, int8 20.00x" in how and "(2026-12-02)" in how
     settings = SearchSettings(budget="420")  # 220 bytes for 4 units: e.g. 2 x int8 + 2 x int4
@@ -504,7 +504,7 @@ def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: P
                recommendation=None, reason="", hardware="a test CPU",
                rows=[served("int8", 1.2), served("fp8", 0.1), served("int4", None)]).write(
         Comparison.directory("toy") / Comparison.FILE)
-    speed, basis = stage.speeds(table)
+    speed, basis = measured.speeds(table)
     assert speed == {"bf16": 1.0, "int8": 1.2, "fp8": 0.1}
     assert "chat concurrency 4" in basis and "a test CPU" in basis
     # least damage alone would take fp8 everywhere (0.0005 a unit); at >= 1.1x it cannot

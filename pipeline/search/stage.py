@@ -19,13 +19,14 @@ from typing import Any
 
 from pipeline.core import hardware, heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable, UnitDamage
+from pipeline.core.artifacts import SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.provenance import library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
 from pipeline.search import budget as budgets
+from pipeline.search import measured
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
 from pipeline.search import table as tables
@@ -197,66 +198,6 @@ def options(table: SensitivityTable, factors: dict[str, float] | None = None
                    for d in table.damages if d.unit == unit] for unit in table.units}
 
 
-def speeds(table: SensitivityTable) -> tuple[dict[str, float], str]:
-    """Per format, the uniform variant's measured speedup over the baseline at the newest
-    comparison's headline load point (on the engine that served it; bf16 is 1), and where
-    from. A format no comparison served is not in it."""
-    name = table.baseline.get("name", "")
-    comparison = Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
-    if comparison is None:
-        return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
-    found = {searched.KEEP: 1.0}
-    for row in comparison.rows:
-        if row.name in table.formats and row.name != searched.KEEP and row.comparable \
-                and row.serving == "ok" and row.speedup:
-            found[row.name] = round(row.speedup, 4)
-    when = comparison.meta.get("created", "")
-    where = comparison.hardware or "the machine that ran it"
-    return found, (f"the uniform variants' measured speedups at {comparison.workload} "
-                   f"concurrency {comparison.load_point} in the newest comparison"
-                   f"{f' ({when})' if when else ''}, on {where}: "
-                   + ", ".join(f"{f} {x:.2f}x" for f, x in found.items() if f != searched.KEEP))
-
-
-def timed(opts: dict[str, list[Option]], table: SensitivityTable,
-          speed: dict[str, float]) -> dict[str, list[Option]]:
-    """The options with their predicted share of the baseline's serving time: a unit's share
-    of the linear layers' weights over its format's measured uniform speedup (serving time
-    as a fixed part plus the linear layers', each in proportion to its weights: exact for
-    every uniform variant); formats with no measured speedup left out."""
-    total = sum(table.damage(u, searched.KEEP).bytes for u in table.units)
-    return {unit: [Option(o.format, o.bytes, o.damage,
-                          table.damage(unit, searched.KEEP).bytes / total / speed[o.format])
-                   for o in unit_opts if o.format in speed] for unit, unit_opts in opts.items()}
-
-
-def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
-    """Per format, the uniform variant's measured over predicted KL in the newest comparison
-    of this baseline: the scan is round-to-nearest, the checkpoints GPTQ, and the measured
-    whole-model damage of every unit in one format says how far the summed per-unit damages
-    are off for it. ({} and why, where none is measured: the damages are then used as
-    scanned.)"""
-    name = table.baseline.get("name", "")
-    comparison = Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
-    if comparison is None:
-        return {}, "not calibrated: no comparison of this baseline yet"
-    factors = {}
-    for row in comparison.rows:
-        if row.name in table.formats and row.name != searched.KEEP and row.search is not None:
-            found = row.search.ratio(row.divergence.get("kl_div_mean"))
-            if found is not None:
-                factors[row.name] = round(found, 4)
-    if not factors:
-        return {}, "not calibrated: no uniform variant of the menu measured in the newest " \
-            "comparison (make all RECIPE=\"int4 int8\")"
-    when = comparison.meta.get("created", "")
-    others = [f for f in table.formats if f not in factors and f != searched.KEEP]
-    return factors, ("each format's damages times its uniform variant's measured/predicted KL "
-                     f"in the newest comparison{f' ({when})' if when else ''}: "
-                     + ", ".join(f"{f} {x:.2f}x" for f, x in factors.items())
-                     + (f"; {', '.join(others)} as scanned (not measured)" if others else ""))
-
-
 def choose(table: SensitivityTable, settings: SearchSettings,
            left_out: dict[str, str] | None = None, factors: dict[str, float] | None = None,
            opts: dict[str, list[Option]] | None = None, offset: float = 0.0
@@ -275,13 +216,13 @@ def choose(table: SensitivityTable, settings: SearchSettings,
     fixed = table.fixed_bytes
     max_time, fast = None, ""
     if settings.speedup:
-        speed, basis = speeds(table)
+        speed, basis = measured.speeds(table)
         missing = [f for f in table.formats if f not in speed]
         if len(speed) < 2:
             raise ConfigError(f"SPEEDUP={settings.speedup:g}: no uniform variant's speed is "
                               f"measured to predict a mix's from: {basis}. Fix: make all "
                               "RECIPE=\"int4 int8\" (on the engine the recipe is for).")
-        opts, max_time = timed(opts, table, speed), 1 / settings.speedup
+        opts, max_time = measured.timed(opts, table, speed), 1 / settings.speedup
         fast = (f", predicted >= {settings.speedup:g}x the baseline's throughput from {basis}"
                 + (f" ({', '.join(missing)} left out: not served and measured there)"
                    if missing else ""))
@@ -300,24 +241,6 @@ def choose(table: SensitivityTable, settings: SearchSettings,
     return (fewest_bytes(opts, damage - offset, fixed, max_time),
             f"fewest weight bytes with predicted damage <= {damage:g}{fast}",
             f"searched-kl{damage:g}")
-
-
-def predictions_held(baseline_name: str) -> str:
-    """How the search's predictions held in the newest comparison of this baseline: each
-    variant with a prediction and a measured KL, measured over predicted ("" if none)."""
-    comparison = Comparison.read(Comparison.directory(baseline_name) / Comparison.FILE)
-    if comparison is None:
-        return ""
-    found = [(row.name, ratio) for row in comparison.rows if row.search is not None
-             and (ratio := row.search.ratio(row.divergence.get("kl_div_mean"))) is not None]
-    if not found:
-        return ""
-    low, high = Prediction.HELD
-    held = sum(low <= ratio <= high for _, ratio in found)
-    when = comparison.meta.get("created", "")
-    return (f"{held} of {len(found)} predictions held (measured within {low:g}-{high:g}x of "
-            f"predicted) in the newest comparison{f' ({when})' if when else ''}: "
-            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in found))
 
 
 def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
@@ -353,7 +276,7 @@ def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
     table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan), menu)
-    factors, calibrated = calibration(table) if settings.calibrate else (
+    factors, calibrated = measured.calibration(table) if settings.calibrate else (
         {}, "not calibrated (--no-calibrate)")
     choice, how, default_name = choose(table, settings, menu.left_out, factors)
     refined = ""
@@ -370,8 +293,9 @@ def run_search(settings: SearchSettings) -> Path:
         raise ConfigError(f"{path} is a recipe that was not searched; it is left as it is. "
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
-    record = predictions_held(table.baseline["name"]) or "no searched or uniform variant of " \
-        "this baseline measured against its prediction yet (make all RECIPE=\"int4 int8 ...\")"
+    record = measured.predictions_held(table.baseline["name"]) or (
+        "no searched or uniform variant of this baseline measured against its prediction yet "
+        "(make all RECIPE=\"int4 int8 ...\")")
     text = searched.recipe_text(choice, table.units, how, settings.threshold, extra={
         "baseline": table.baseline["name"], "baseline_identity": table.baseline["identity"],
         "sensitivity": table.cache_key, "units": counts, "scan_tokens": table.tokens,

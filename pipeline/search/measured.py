@@ -1,0 +1,95 @@
+"""What the newest comparison of a baseline measured that the search learns from: each
+uniform variant's measured/predicted KL (a per-format calibration of the round-to-nearest
+scan against GPTQ checkpoints), each uniform variant's measured speedup (a speed budget's
+prediction), and how the search's predictions held."""
+
+from __future__ import annotations
+
+from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable
+from pipeline.search.recipe import KEEP
+from pipeline.search.solver import Option
+
+
+def _newest(table_or_name: SensitivityTable | str) -> Comparison | None:
+    name = table_or_name if isinstance(table_or_name, str) else \
+        table_or_name.baseline.get("name", "")
+    return Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
+
+
+def speeds(table: SensitivityTable) -> tuple[dict[str, float], str]:
+    """Per format, the uniform variant's measured speedup over the baseline at the newest
+    comparison's headline load point (on the engine that served it; bf16 is 1), and where
+    from. A format no comparison served is not in it."""
+    comparison = _newest(table)
+    if comparison is None:
+        return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
+    found = {KEEP: 1.0}
+    for row in comparison.rows:
+        if row.name in table.formats and row.name != KEEP and row.comparable \
+                and row.serving == "ok" and row.speedup:
+            found[row.name] = round(row.speedup, 4)
+    when = comparison.meta.get("created", "")
+    where = comparison.hardware or "the machine that ran it"
+    return found, (f"the uniform variants' measured speedups at {comparison.workload} "
+                   f"concurrency {comparison.load_point} in the newest comparison"
+                   f"{f' ({when})' if when else ''}, on {where}: "
+                   + ", ".join(f"{f} {x:.2f}x" for f, x in found.items() if f != KEEP))
+
+
+
+def timed(opts: dict[str, list[Option]], table: SensitivityTable,
+          speed: dict[str, float]) -> dict[str, list[Option]]:
+    """The options with their predicted share of the baseline's serving time: a unit's share
+    of the linear layers' weights over its format's measured uniform speedup (serving time
+    as a fixed part plus the linear layers', each in proportion to its weights: exact for
+    every uniform variant); formats with no measured speedup left out."""
+    total = sum(table.damage(u, KEEP).bytes for u in table.units)
+    return {unit: [Option(o.format, o.bytes, o.damage,
+                          table.damage(unit, KEEP).bytes / total / speed[o.format])
+                   for o in unit_opts if o.format in speed] for unit, unit_opts in opts.items()}
+
+
+
+def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
+    """Per format, the uniform variant's measured over predicted KL in the newest comparison
+    of this baseline: the scan is round-to-nearest, the checkpoints GPTQ, and the measured
+    whole-model damage of every unit in one format says how far the summed per-unit damages
+    are off for it. ({} and why, where none is measured: the damages are then used as
+    scanned.)"""
+    comparison = _newest(table)
+    if comparison is None:
+        return {}, "not calibrated: no comparison of this baseline yet"
+    factors = {}
+    for row in comparison.rows:
+        if row.name in table.formats and row.name != KEEP and row.search is not None:
+            found = row.search.ratio(row.divergence.get("kl_div_mean"))
+            if found is not None:
+                factors[row.name] = round(found, 4)
+    if not factors:
+        return {}, "not calibrated: no uniform variant of the menu measured in the newest " \
+            "comparison (make all RECIPE=\"int4 int8\")"
+    when = comparison.meta.get("created", "")
+    others = [f for f in table.formats if f not in factors and f != KEEP]
+    return factors, ("each format's damages times its uniform variant's measured/predicted KL "
+                     f"in the newest comparison{f' ({when})' if when else ''}: "
+                     + ", ".join(f"{f} {x:.2f}x" for f, x in factors.items())
+                     + (f"; {', '.join(others)} as scanned (not measured)" if others else ""))
+
+
+
+def predictions_held(baseline_name: str) -> str:
+    """How the search's predictions held in the newest comparison of this baseline: each
+    variant with a prediction and a measured KL, measured over predicted ("" if none)."""
+    comparison = _newest(baseline_name)
+    if comparison is None:
+        return ""
+    found = [(row.name, ratio) for row in comparison.rows if row.search is not None
+             and (ratio := row.search.ratio(row.divergence.get("kl_div_mean"))) is not None]
+    if not found:
+        return ""
+    low, high = Prediction.HELD
+    held = sum(low <= ratio <= high for _, ratio in found)
+    when = comparison.meta.get("created", "")
+    return (f"{held} of {len(found)} predictions held (measured within {low:g}-{high:g}x of "
+            f"predicted) in the newest comparison{f' ({when})' if when else ''}: "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in found))
