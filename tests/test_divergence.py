@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from pipeline.core import heldout
 from pipeline.core.errors import ConfigError
 from pipeline.eval import divergence
 
@@ -27,7 +28,7 @@ def test_token_stats_match_hand_computed_values() -> None:
 
     base = _log([[0.5, 0.5], [0.8, 0.2]])
     var = _log([[0.9, 0.1], [0.8, 0.2]])
-    stats = divergence.token_stats(base, var, torch.tensor([1, 0]))
+    stats = heldout.token_stats(base, var, torch.tensor([1, 0]))
     # KL(p || q) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5108; identical rows: 0
     assert stats["kl"].tolist() == pytest.approx([0.5108256, 0.0], abs=1e-6)
     # row 0: argmax 0 vs 0 (ties break to the first index in torch) -> agree; row 1 agrees
@@ -35,15 +36,15 @@ def test_token_stats_match_hand_computed_values() -> None:
     # NLL of the actual tokens: -ln 0.5, -ln 0.8 (baseline); -ln 0.1, -ln 0.8 (variant)
     assert stats["nll_base"].tolist() == pytest.approx([math.log(2), -math.log(0.8)], abs=1e-6)
     assert stats["nll_var"].tolist() == pytest.approx([-math.log(0.1), -math.log(0.8)], abs=1e-6)
-    disagree = divergence.token_stats(_log([[0.6, 0.4]]), _log([[0.3, 0.7]]), torch.tensor([0]))
+    disagree = heldout.token_stats(_log([[0.6, 0.4]]), _log([[0.3, 0.7]]), torch.tensor([0]))
     assert disagree["agree"].tolist() == [False]
 
 
 def test_windows_cover_every_token_once() -> None:
     ids = list(range(10))
-    assert divergence.windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert heldout.windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     # a last window of one token predicts nothing
-    assert divergence.windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert heldout.windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_the_scan_and_the_check_score_disjoint_parts_of_the_text() -> None:
@@ -63,11 +64,11 @@ def test_the_scan_and_the_check_score_disjoint_parts_of_the_text() -> None:
 
 
 def test_heldout_text_is_there_and_checked(tmp_path: Path) -> None:
-    assert len(divergence.heldout_text().split()) > 1000
+    assert len(heldout.heldout_text().split()) > 1000
     short = tmp_path / "short.txt"
     short.write_text("too short")
     with pytest.raises(ConfigError, match="fewer than 50 words"):
-        divergence.heldout_text(short)
+        heldout.heldout_text(short)
 
 
 @pytest.mark.slow
@@ -76,7 +77,7 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     from transformers import AutoTokenizer
 
     other = make_tiny_llama(tmp_path / "other", seed=1)
-    text = " ".join(divergence.heldout_text().split()[:300])  # a short text keeps it quick
+    text = " ".join(heldout.heldout_text().split()[:300])  # a short text keeps it quick
     text_file = tmp_path / "text.txt"
     text_file.write_text(text)
     self_cache, cache = tmp_path / "self.json", tmp_path / "div.json"
@@ -96,7 +97,7 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     a = divergence.load_model(tiny_model)
     ids = tokenizer(text).input_ids
     nll, count = 0.0, 0
-    for window in divergence.windows(ids, 128):
+    for window in heldout.windows(ids, 128):
         with torch.inference_mode():
             lp = torch.log_softmax(a(torch.tensor([window])).logits[0, :-1].float(), -1)
         nll -= float(lp.gather(-1, torch.tensor(window[1:]).unsqueeze(-1)).sum())
@@ -111,7 +112,7 @@ def test_tiny_models_identical_and_different(tmp_path: Path, tiny_model: Path) -
     # the check measures after the scan's part of the text: fewer tokens, none of the scan's
     later = divergence.measure_all(tiny_model, {tiny_model: tmp_path / "later.json"},
                                    text_path=text_file, seq_len=128, skip=100)[tiny_model]
-    assert later.tokens == sum(len(w) - 1 for w in divergence.windows(ids[100:], 128))
+    assert later.tokens == sum(len(w) - 1 for w in heldout.windows(ids[100:], 128))
 
 
 @pytest.mark.slow

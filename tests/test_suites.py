@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core import paths
+from pipeline.core import heldout, paths
 from pipeline.core.errors import ConfigError
-from pipeline.eval import divergence, prepare, suites, validate
+from pipeline.eval import prepare, suites, validate
 
 from .conftest import CALIBRATION, run_cli
 
@@ -164,7 +164,7 @@ def test_eval_data_shares_nothing_with_the_calibration_data() -> None:
     app = " ".join((paths.EVALS_DIR / "app" / "data" / f).read_text()
                    for f in ("grammar.jsonl", "facts.jsonl", "json.jsonl"))
     assert not _ngrams(app) & calibration
-    assert not _ngrams(divergence.heldout_text()) & calibration
+    assert not _ngrams(heldout.heldout_text()) & calibration
 
 
 def test_cli_validate_exits_non_zero_with_the_problem(tmp_path: Path) -> None:

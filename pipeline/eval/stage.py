@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.core import heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core import paths, tracking
 from pipeline.core.artifacts import EvalFailure, RecoverySummary
 from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
@@ -89,14 +89,14 @@ def _divergences(base: baselines.Baseline, variants: list[Variant]
     model identity, held-out text and dtype."""
     div_dir = cache_root(base.name) / "divergence"
     # the figures depend on the text and on the dtype the models ran in
-    text = (f"{divergence.text_hash(divergence.heldout_text())}-{divergence.HF_DTYPE}-"
-            f"{divergence.device()}-after{divergence.SCAN_SPAN}")
+    text = (f"{heldout.text_hash(heldout.heldout_text())}-{divergence.HF_DTYPE}-"
+            f"{divergence.device()}-after{heldout.SCAN_SPAN}")
     caches = {base.path: div_dir / f"{base.identity}-self-{text}.json",
               **{m.path: div_dir / f"{m.identity}-vs-{base.identity}-{text}.json"
                  for m in variants}}
     todo = sum(not cache.is_file() for cache in caches.values())
     if todo:
-        log.info(f"divergence on held-out text ({paths.shown(divergence.HELDOUT)}, on "
+        log.info(f"divergence on held-out text ({paths.shown(heldout.HELDOUT)}, on "
                  f"{divergence.device()}): {todo} model(s) against the baseline ...")
     return divergence.measure_all(base.path, caches)
 
