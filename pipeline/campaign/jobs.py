@@ -8,6 +8,7 @@ after itself (its temp directories) on SIGTERM.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ class Job:
     def stop(self) -> None:
         """SIGTERM (the command removes its temp directories), then SIGKILL after 60 s."""
         procs.stop(self.proc, timeout=60)
+
+
+def qpipe(*args: str) -> tuple[str, ...]:
+    """The argv of ``qpipe ARGS`` with this interpreter (the same venv on every node)."""
+    return (sys.executable, "-m", "pipeline.cli", *args)
 
 
 def clock(seconds: float) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 
@@ -53,7 +52,7 @@ class Local:
             if q not in redo:
                 clock.next(f"quantize {q.recipe}")
                 log.info(f"quantize {q.recipe}: up to date")
-                quantize_in_process(q)  # records it in MLflow if a store was down before
+                quantize_stage.run(q)  # records it in MLflow if a store was down before
         if not redo:
             return []
         at_once = min(len(redo), slots(base, serve_target(), self.quantize_jobs))
@@ -91,10 +90,6 @@ def in_process(label: str, command: str, call: Callable[[], object]) -> list[Fai
         log.warning(f"stage '{label}' FAILED, going on to the comparison: {err}")
         return [Failure(variant="all", stage=label, reason=str(err))]
     return []
-
-
-def quantize_in_process(q: QuantizeSettings) -> None:
-    quantize_stage.run(q)
 
 
 def _needs_work(q: QuantizeSettings, base: baselines.Baseline) -> tuple[bool, bool]:
@@ -153,7 +148,7 @@ def quantize_all(todo: list[QuantizeSettings], at_once: int) -> list[Failure]:
     """Run ``qpipe quantize`` for each, ``at_once`` at a time; returns the failures."""
     logs = paths.artifacts_dir() / "logs"
     by_label = {f"quantize {s.recipe}": s for s in todo}
-    work = [jobs.Job(label, [sys.executable, "-m", "pipeline.cli", "quantize", *to_argv(s)],
+    work = [jobs.Job(label, list(jobs.qpipe("quantize", *to_argv(s))),
                      logs / f"{label.replace(' ', '-')}.log", cwd=paths.PROJECT_ROOT)
             for label, s in by_label.items()]
     failed = jobs.run_all(work, at_once, on_done=_done, progress=progress, keep_going=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from typing import Any
 
 from pipeline import bench
 from pipeline import eval as evaluation
-from pipeline.campaign.jobs import Steps
+from pipeline.campaign.jobs import Steps, qpipe
 from pipeline.core import log as qlog
 from pipeline.core import paths, procs, tracking
 from pipeline.core.artifacts import Failure
@@ -129,11 +128,6 @@ class Outcome:
     reason: str = ""
     attempts: int = 1  # a failure is reported after its retry: 2
     seconds: float = 0.0
-
-
-def qpipe(*args: str) -> tuple[str, ...]:
-    """The argv of ``qpipe ARGS`` with this interpreter (the same venv on every node)."""
-    return (sys.executable, "-m", "pipeline.cli", *args)
 
 
 def forwarded_env() -> dict[str, str]:
