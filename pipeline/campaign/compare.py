@@ -13,14 +13,11 @@ from pipeline.report.settings import CompareSettings
 
 def run(settings: CompareSettings) -> Comparison:
     """``qpipe compare``: the baseline as its stages recorded it."""
-    file = files.load(settings.campaign)
+    file = files.with_comparison(files.load(settings.campaign), settings.comparison)
     if settings.track:
         tracking.check_store()
     base = BaselineRecord.find(settings.baseline).ref()
-    given = settings.comparison
-    comparison, _ = compare_and_log(base, list(settings.recipes) or None,
-                                    given.plan(file.plan), "compare", settings.track,
-                                    objective=given.objective or file.objective,
-                                    cost_target=given.cost.apply(file.cost),
-                                    threshold=given.threshold or file.threshold)
+    comparison, _ = compare_and_log(base, list(settings.recipes) or None, file.plan, "compare",
+                                    settings.track, objective=file.objective,
+                                    cost_target=file.cost, threshold=file.threshold)
     return comparison

@@ -13,6 +13,7 @@ from pipeline.core import paths
 from pipeline.core.artifacts import CostTarget, Objective, PlanTarget
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import from_yaml
+from pipeline.report.settings import ComparisonOverrides
 
 CAMPAIGNS_DIR = paths.CONFIGS_DIR / "campaigns"
 
@@ -60,6 +61,14 @@ def load(name_or_path: str) -> CampaignFile:
                           f"{', '.join(paths.yaml_names(CAMPAIGNS_DIR))} (configs/campaigns/), "
                           "or give a path to a YAML file.")
     return from_yaml(CampaignFile, path, {"name": path.stem, "path": path})
+
+
+def with_comparison(file: CampaignFile, given: ComparisonOverrides) -> CampaignFile:
+    """``file`` with the command line's plan target, objective, cost and threshold."""
+    return file.model_copy(update={
+        "plan": given.plan(file.plan), "cost": given.cost.apply(file.cost),
+        **{k: v for k, v in (("objective", given.objective), ("threshold", given.threshold))
+           if v}})
 
 
 def bench_workloads(file: CampaignFile, is_search: Callable[[str], bool]) -> tuple[str, ...]:

@@ -56,11 +56,9 @@ class CampaignSettings(StageSettings):
         """The campaign file with this command line's overrides applied: a field the stages'
         overrides share with the file replaces the file's where it is given."""
         file = files.load(self.campaign).for_target(serve_target())
-        given = {**self.bench.model_dump(), **self.scores.model_dump(), "recipes": self.recipes,
-                 "objective": self.comparison.objective, "threshold": self.comparison.threshold}
+        given = {**self.bench.model_dump(), **self.scores.model_dump(), "recipes": self.recipes}
         update = {k: v for k, v in given.items() if v and k in files.CampaignFile.model_fields}
-        return file.model_copy(update={**update, "plan": self.comparison.plan(file.plan),
-                                       "cost": self.comparison.cost.apply(file.cost)})
+        return files.with_comparison(file.model_copy(update=update), self.comparison)
 
     def bench_only(self) -> dict[str, object]:
         """The bench overrides the campaign file has no field for (the latency objective)."""
