@@ -9,11 +9,13 @@ search: that table -> the exact solver under ``BUDGET=`` (or ``MAX_DAMAGE=``) ->
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +97,33 @@ def _progress(started: float) -> Any:
     return report
 
 
+def _scan_ids(base: baselines.Baseline, text: str, tokens: int) -> list[int]:
+    """The scan's part of the held-out text, as the baseline's tokenizer reads it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    return heldout.scan_part(tokenizer(text, add_special_tokens=True).input_ids, tokens)
+
+
+@contextlib.contextmanager
+def _every_core() -> Iterator[None]:
+    """Torch on every core of a CPU for a scan's forward passes, as it was after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if hardware.torch_device() == "cpu":
+        torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sensitivity(settings: SensitivitySettings, menu: menus.Menu | None = None
                 ) -> SensitivityTable:
     """The table for ``settings`` (measured, or the cached one when nothing changed). The
     damages do not depend on the target, only the menu does: one table per menu."""
     import torch
-    from transformers import AutoTokenizer
 
     base = baselines.resolve(settings.baseline)
     menu = menu or menus.resolve(settings.scan.formats, settings.scan.target)
@@ -117,9 +140,7 @@ def sensitivity(settings: SensitivitySettings, menu: menus.Menu | None = None
                  f"({target}); nothing to do (FORCE=1 redoes it).")
         _track_table(base, table, target)
         return table
-    tokenizer = AutoTokenizer.from_pretrained(base.path)
-    ids = heldout.scan_part(tokenizer(text, add_special_tokens=True).input_ids,
-                            settings.scan.scan_tokens)
+    ids = _scan_ids(base, text, settings.scan.scan_tokens)
     windows = heldout.windows(ids)
     model, dtype = _load(base)
     linears = [name for name, module in model.named_modules()
@@ -132,13 +153,8 @@ def sensitivity(settings: SensitivitySettings, menu: menus.Menu | None = None
              f"{fusion_source}) x {', '.join(formats)} on {len(ids)} held-out tokens, on "
              f"{hardware.torch_device_name()} in {dtype}")
     started = time.monotonic()
-    threads = torch.get_num_threads()
-    if hardware.torch_device() == "cpu":
-        torch.set_num_threads(os.cpu_count() or threads)
-    try:
+    with _every_core():
         damages = scan(model, units, formats, windows, progress=_progress(started))
-    finally:
-        torch.set_num_threads(threads)
     table = SensitivityTable(
         cache_key=key, baseline=base.as_dict(), architecture=architecture, fusions=fusions,
         fusion_source=fusion_source, formats=formats, units=units,
@@ -249,26 +265,23 @@ def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
     damage in that mix, round-to-nearest, on the scan's text), the choice re-solved with those,
     and its prediction the re-solved mix's whole-model KL, measured at once (no additivity
     assumed). About as long as the scan."""
-    from transformers import AutoTokenizer
-
     base = baselines.resolve(settings.baseline)
     model, _ = _load(base)
-    tokenizer = AutoTokenizer.from_pretrained(base.path)
-    ids = heldout.scan_part(tokenizer(heldout.heldout_text(), add_special_tokens=True)
-                            .input_ids, table.tokens)
-    windows = heldout.windows(ids)
+    windows = heldout.windows(_scan_ids(base, heldout.heldout_text(), table.tokens))
     log.info(f"re-scoring {len(table.units)} units in the context of the first choice "
              f"({first.damage:.4f} predicted)")
-    mix, context = in_context(model, table.units, table.formats, first.formats, windows,
-                              progress=_progress(time.monotonic()))
+    with _every_core():
+        mix, context = in_context(model, table.units, table.formats, first.formats, windows,
+                                  progress=_progress(time.monotonic()))
     opts = {unit: [Option(d.format, d.bytes, d.kl_div_mean) for d in context if d.unit == unit]
             for unit in table.units}
     again, _, _ = choose(table, settings, left_out, opts=opts, offset=mix)
-    measured = whole_damage(model, table.units, again.formats, windows)
+    with _every_core():
+        whole = whole_damage(model, table.units, again.formats, windows)
     changed = sum(again.formats[u] != first.formats[u] for u in table.units)
-    return (Choice(again.formats, again.bytes, measured),
+    return (Choice(again.formats, again.bytes, whole),
             f"the re-solved mix's whole-model KL, round-to-nearest on the scan's text, measured "
-            f"at once: {measured:.4f} (the first choice's summed damages {first.damage:.4f}, "
+            f"at once: {whole:.4f} (the first choice's summed damages {first.damage:.4f}, "
             f"its whole-model KL {mix:.4f}; {changed} unit(s) changed)")
 
 
