@@ -96,7 +96,7 @@ def test_campaign_runs_every_stage_and_logs_the_same_runs_to_sqlite_and_postgres
 
 
 def test_the_command_line_sets_the_objective_and_cost_of_a_campaign() -> None:
-    from pipeline.campaign import CampaignSettings, stages
+    from pipeline.campaign.runner import CampaignSettings, stages
     from pipeline.core.settings import from_options
 
     settings = from_options(CampaignSettings, slo_ttft_ms=300, slo_itl_ms=80, objective="cost",
@@ -192,7 +192,7 @@ class _Stages:
 
 def test_a_campaign_calls_each_stage_without_the_recipe_that_failed_before_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import campaign
+    from pipeline.campaign import runner as campaign
 
     stages = _Stages(monkeypatch)
     settings = campaign.CampaignSettings(baseline="tiny", recipes=("fp8", "int4"), track=False)
@@ -208,7 +208,7 @@ def test_a_campaign_calls_each_stage_without_the_recipe_that_failed_before_it(
 
 def test_a_failed_stage_is_recorded_and_a_bad_setting_stops_with_its_command(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import campaign
+    from pipeline.campaign import runner as campaign
     from pipeline.core.errors import ConfigError, QpipeError
 
     stages = _Stages(monkeypatch, bench_error=QpipeError("vLLM is missing"))

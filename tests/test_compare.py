@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import campaign
 from pipeline.campaign import files as campaigns
+from pipeline.campaign import runner as campaign
 from pipeline.core import tracking
 from pipeline.core.artifacts import (
     BenchSummary,

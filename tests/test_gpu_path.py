@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import campaign
 from pipeline.bench import measure, stage
 from pipeline.campaign import files as campaigns
+from pipeline.campaign import runner as campaign
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import CostTarget, PlanTarget, Row
 from pipeline.core.variant import Variant

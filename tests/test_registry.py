@@ -82,7 +82,7 @@ def test_the_campaign_composes_the_stages_options_instead_of_copying_them() -> N
     """What ``make all`` overrides of bench and eval is made from those stages' own fields:
     the same flag, Makefile variable and bounds, unset by default (the campaign file's)."""
     from pipeline.bench.settings import BenchOverrides, BenchSettings
-    from pipeline.campaign import CampaignSettings
+    from pipeline.campaign.settings import CampaignSettings
     from pipeline.core.errors import ConfigError
     from pipeline.core.settings import from_options
     from pipeline.eval.settings import EvalOverrides, EvalSettings

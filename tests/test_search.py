@@ -372,7 +372,7 @@ def test_a_recipe_searched_for_one_baseline_is_refused_for_another(tmp_path: Pat
 
 def test_a_campaign_of_every_recipe_leaves_out_one_searched_for_another_baseline(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from pipeline import campaign
+    from pipeline.campaign import runner as campaign
 
     units = fuse(_linears(1), LLAMA_PACKED)
     (tmp_path / "int4.yaml").write_text((paths.RECIPES_DIR / "int4.yaml").read_text())

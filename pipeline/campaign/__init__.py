@@ -1,7 +1,4 @@
 """Campaign: every stage for every recipe, then the comparison (``make all``); its files
-(``configs/campaigns/``), its settings, one runner and its executors (this machine, Ray)."""
-
-from pipeline.campaign.runner import CampaignIncomplete, Stages, run, stages
-from pipeline.campaign.settings import CampaignSettings
-
-__all__ = ["CampaignIncomplete", "CampaignSettings", "Stages", "run", "stages"]
+(``configs/campaigns/``), its settings, one runner and its executors (this machine, Ray).
+Nothing is imported here, so that a Ray worker running a task's commands loads only the Ray
+executor, not every stage."""

@@ -23,19 +23,21 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline import bench
-from pipeline import eval as evaluation
 from pipeline.campaign.jobs import Steps, qpipe
 from pipeline.core import log as qlog
 from pipeline.core import paths, procs, tracking
 from pipeline.core.artifacts import Failure
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import to_argv
-from pipeline.quantize import baseline as baselines
-from pipeline.quantize.settings import QuantizeSettings
-from pipeline.serve import EngineSettings
+
+if TYPE_CHECKING:  # a Ray worker imports this module: only what running a task needs
+    from pipeline.bench import BenchSettings
+    from pipeline.eval import EvalSettings
+    from pipeline.quantize.baseline import Baseline
+    from pipeline.quantize.settings import QuantizeSettings
+    from pipeline.serve import EngineSettings
 
 log = qlog.get("all")
 # what a task's commands need from the driver's environment on any node
@@ -58,7 +60,7 @@ class Ray:
         clock.next(f"{label} on Ray: {len(tasks)} task(s)", max(1, len(tasks)))
         return run(tasks, self.address)
 
-    def quantize(self, todo: list[QuantizeSettings], base: baselines.Baseline,
+    def quantize(self, todo: list[QuantizeSettings], base: Baseline,
                  clock: Steps) -> list[Failure]:
         tracking.prepare(base.name)  # tasks that log at once must not race on a new store
         outcomes = self._run(clock, "quantize", [Task(
@@ -68,8 +70,8 @@ class Ray:
         return [Failure(variant=o.label.split(" ", 1)[1], stage="quantize", reason=o.reason,
                         log=o.log) for o in outcomes if not o.ok]
 
-    def measure(self, recipes: tuple[str, ...], bench_settings: bench.BenchSettings | None,
-                eval_settings: evaluation.EvalSettings, clock: Steps) -> list[Failure]:
+    def measure(self, recipes: tuple[str, ...], bench_settings: BenchSettings | None,
+                eval_settings: EvalSettings, clock: Steps) -> list[Failure]:
         first = eval_settings.model_copy(update={"recipes": ("none",)})
         failures = [Failure(variant="baseline", stage="eval", reason=o.reason, log=o.log)
                     for o in self._run(clock, "baseline scores", [Task(
