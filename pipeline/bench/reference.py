@@ -11,8 +11,6 @@ reference when it is shown faster. Elsewhere the reference is the engine's dtype
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, paths
 from pipeline.core import log as qlog
 from pipeline.core.fsutil import read_json, write_json_atomic
-from pipeline.core.provenance import vllm_version
+from pipeline.core.provenance import content_key, vllm_version
 from pipeline.core.speedup import FASTER
 from pipeline.core.variant import BASELINE, Variant
 from pipeline.serve import EngineSettings
@@ -37,9 +35,7 @@ def _probe_record(base: Variant, sweep: Workload, settings: EngineSettings) -> P
     payload = {"baseline": base.identity, "hardware": hardware.profile().key(),
                "engine": settings.identity(), "vllm": vllm_version(),
                "sweep": dataclasses.asdict(sweep)}
-    key = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
-                         ).hexdigest()[:16]
-    return paths.artifacts_dir() / "cache" / "reference" / f"{key}.json"
+    return paths.artifacts_dir() / "cache" / "reference" / f"{content_key(payload)}.json"
 
 
 def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: Path,

@@ -9,8 +9,6 @@ unchanged invocation are reused (``--force`` re-measures); a run with a failed m
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from datetime import datetime, timezone
 
@@ -26,7 +24,7 @@ from pipeline.core import log as qlog
 from pipeline.core.artifacts import BenchSummary
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
-from pipeline.core.provenance import vllm_version
+from pipeline.core.provenance import content_key, vllm_version
 from pipeline.core.variant import BASELINE, Variant, with_baseline
 from pipeline.quantize import baseline as baselines
 from pipeline.serve import EngineSettings, ServerPool
@@ -45,8 +43,7 @@ def cache_key(models: list[Variant], loads: list[Workload], settings: EngineSett
                "hardware": hardware.profile().key(),
                **({"reference": reference_dtype} if reference_dtype != "auto" else {}),
                **({"capacity_rule": slo.RULE} if any(w.slo is not None for w in loads) else {})}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()
-                          ).hexdigest()[:16]
+    return content_key(payload)
 
 
 def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workload],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 from importlib import metadata
@@ -18,6 +20,13 @@ CHECKPOINT_LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "
 def library_versions() -> dict[str, str]:
     """The versions of the libraries a checkpoint's or a scan's content depends on."""
     return {name: metadata.version(name) for name in CHECKPOINT_LIBRARIES}
+
+
+def content_key(payload: object) -> str:
+    """A short, stable key for what determines a result (a cache key): the sha256 of its
+    sorted JSON, objects JSON cannot hold written by ``str``."""
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def serve_python() -> Path:

@@ -6,14 +6,13 @@ engine and hardware) under ``artifacts/evals/<baseline>/cache/``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core import hardware
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import RecoverySummary
+from pipeline.core.provenance import content_key
 from pipeline.core.variant import Variant
 from pipeline.eval import divergence, suites
 from pipeline.eval.lm import (
@@ -49,7 +48,7 @@ def task_key(model: Variant, task: suites.Task, backend: str, settings: EvalSett
                # served numerics follow the kernels this hardware runs
                "hardware": hardware.profile().key() if backend == SERVED else None,
                "hf_dtype": divergence.HF_DTYPE if backend == EMULATED else None}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return content_key(payload)
 
 
 def task_dir(base_name: str, model: Variant, task: suites.Task, backend: str,

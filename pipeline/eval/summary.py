@@ -3,7 +3,6 @@ MLflow run of each model."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -17,6 +16,7 @@ from pipeline.core import hardware, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import EvalFailure, RecoverySummary, TaskEntry
 from pipeline.core.errors import QpipeError
+from pipeline.core.provenance import content_key
 from pipeline.core.variant import Variant
 from pipeline.eval import divergence, recovery, suites
 from pipeline.eval.lm import EMULATED, SERVED, TaskResult, primary_key
@@ -177,8 +177,7 @@ def log_mlflow(base: baselines.Baseline, model: Variant, backend: str, tasks: li
                settings: EvalSettings) -> str | None:
     """One run per model and backend; skipped when an identical run is recorded."""
     keys = sorted(Path(r.directory).name for r in results.values())
-    run_key = hashlib.sha256(json.dumps([model.identity, backend, keys, div and div.as_dict()],
-                                        sort_keys=True).encode()).hexdigest()[:16]
+    run_key = content_key([model.identity, backend, keys, div and div.as_dict()])
     if tracking.find_run(base.name, STAGE, run_key):
         log.info(f"{model.name} ({backend}): already recorded in MLflow")
         return None

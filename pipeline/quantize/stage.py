@@ -23,7 +23,7 @@ from pipeline.core import log as qlog
 from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
 from pipeline.core.fsutil import atomic_dir, check_free_space, remove_stale_temp_dirs
-from pipeline.core.provenance import library_versions
+from pipeline.core.provenance import content_key, library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
 from pipeline.quantize.checkpoint import checkpoint_kv_dtype
@@ -48,7 +48,7 @@ def cache_key(base: baselines.Baseline, recipe: recipes.RecipeFile) -> str:
         calib["dataset"] = hashlib.sha256(Path(calib["dataset"]).read_bytes()).hexdigest()
     payload = {"baseline": base.identity, "recipe": recipe.sha256, "calibration": calib,
                "libraries": library_versions(), "method": METHOD}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return content_key(payload)
 
 
 def scheme_label(llm_recipe: Any) -> str:

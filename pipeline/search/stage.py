@@ -24,7 +24,7 @@ from pipeline.core import log as qlog
 from pipeline.core.artifacts import SensitivityTable, UnitDamage
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import atomic_dir
-from pipeline.core.provenance import library_versions
+from pipeline.core.provenance import content_key, library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
 from pipeline.search import budget as budgets
@@ -72,7 +72,7 @@ def _cache_key(base: baselines.Baseline, formats: list[str], text: str, tokens: 
                "schemes": {f: FORMATS.get(f) for f in formats}, "text": heldout.text_hash(text),
                "tokens": tokens, "fusions": fusions, "libraries": library_versions(),
                "method": METHOD, "device": hardware.torch_device()}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return content_key(payload)
 
 
 def _load(base: baselines.Baseline) -> tuple[Any, str]:
