@@ -109,6 +109,9 @@ ifneq ($(shell cat $(SERVE_VENV)/.qpipe-serve-target 2>/dev/null),$(SERVE_KIND))
 .PHONY: $(SERVE_STAMP)
 endif
 
+# `$(call opt,--flag,$(VAR))`: the flag and its value where VAR is set, nothing where it is
+# empty (the command's own default then applies)
+opt = $(if $(2),$(1) $(2))
 # the vLLM engine, the same for every server bench and eval start
 ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache-gib,$(KV_CACHE_GIB)) \
   $(call opt,--gpu-memory-utilization,$(GPU_UTIL)) $(call opt,--tp,$(TP)) $(call opt,--pp,$(PP)) \

@@ -3,7 +3,10 @@ runs it, settings whose defaults the Makefile does not contradict, and the artif
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ from pydantic import BaseModel
 
 from pipeline import registry
 from pipeline.cli import build_parser
-from pipeline.core.settings import StageSettings, flat_fields
+from pipeline.core.settings import StageSettings, flag_of, flat_fields
 
 MAKEFILE = (Path(__file__).parents[1] / "Makefile").read_text()
 
@@ -98,3 +101,66 @@ def test_the_campaign_composes_the_stages_options_instead_of_copying_them() -> N
     set_here = from_options(CampaignSettings, repeats=2, suites=("standard",))
     assert set_here.file().repeats == 2 and set_here.file().suites == ("standard",)
     assert CampaignSettings().file().suites == ("app",)  # unset: the campaign file's
+
+
+
+STUB = """\
+#!/usr/bin/env python3
+import json, sys
+with open(sys.argv[0] + ".calls", "a") as out:
+    out.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def _variables(model: type[BaseModel]) -> typing.Iterator[tuple[str, str, str, list[str]]]:
+    """(variable, its value, field name, the same value as flag tokens) for each option of
+    ``model`` that a Makefile variable sets (``FORCE=1``-style switches included)."""
+    for name, field in flat_fields(model):
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        make = str(extra.get("make", ""))
+        flag = flag_of(name, field)
+        if re.fullmatch(r"[A-Z_]+=1", make):
+            yield make[:-2], "1", name, [flag]
+            continue
+        if not make.isidentifier():
+            continue
+        inner = field.annotation
+        args = [a for a in typing.get_args(inner) if a is not type(None)]
+        if typing.get_origin(inner) in (typing.Union, types.UnionType) and len(args) == 1:
+            inner = args[0]
+        if typing.get_origin(inner) is typing.Literal:
+            value = str(typing.get_args(inner)[-1])  # the last choice: rarely the default
+            yield make, value, name, [flag, value]
+        elif typing.get_origin(inner) in (list, tuple):
+            yield make, "3 5", name, [flag, "3", flag, "5"]
+        else:
+            yield make, "3", name, [flag, "3"]
+
+
+@pytest.mark.parametrize("stage", registry.STAGES, ids=lambda s: s.name)
+def test_every_makefile_variable_reaches_its_option(stage: registry.Stage, tmp_path: Path) -> None:
+    """`make <target> VAR=value` hands the command that value, exactly as `--flag value` does:
+    a variable the Makefile drops (an undefined helper expands to nothing) fails here."""
+    variables = list(_variables(stage.settings_type()))
+    if not variables:
+        pytest.skip(f"qpipe {stage.name} has no Makefile variable")
+    stub = tmp_path / "qpipe"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    # the environments' stamps taken as current: nothing is installed, only the command run
+    current = [f"-o.stamps/{s}" for s in ("pipeline", "ray", "serve-cpu", "serve-cuda")]
+    done = subprocess.run(
+        ["make", "--no-print-directory", *current, stage.make_target, f"QPIPE={stub}",
+         *[f"{variable}={value}" for variable, value, _, _ in variables]],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = [json.loads(line) for line in Path(f"{stub}.calls").read_text().splitlines()]
+    assert calls and all(call[0] == stage.name for call in calls), calls
+    parser = build_parser(stage.name)
+    direct = vars(parser.parse_args([stage.name, *[t for v in variables for t in v[3]]]))
+    for call in calls:
+        through_make = vars(parser.parse_args(call))
+        for variable, value, name, _ in variables:
+            assert through_make[name] == direct[name], (
+                f"make {stage.make_target} {variable}={value}: qpipe {stage.name} got "
+                f"{name}={through_make[name]!r}, not {direct[name]!r}")

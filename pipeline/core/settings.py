@@ -30,7 +30,8 @@ def _extra(field: Any) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
-def _flag(name: str, field: Any) -> str:
+def flag_of(name: str, field: Any) -> str:
+    """The command-line flag of settings field ``name`` (its ``flag``, else ``--name``)."""
     return str(_extra(field).get("flag") or f"--{name.replace('_', '-')}")
 
 
@@ -95,7 +96,7 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel],
     for name, field in flat_fields(model, exclude):
         extra = _extra(field)
         inner, _ = _bare(field.annotation)
-        flag = _flag(name, field)
+        flag = flag_of(name, field)
         help_text = (field.description or "").replace("%", "%%")
         if extra.get("positional"):
             many = get_origin(inner) in (list, tuple)
@@ -163,7 +164,7 @@ def to_argv(settings: BaseModel) -> list[str]:
             continue
         if extra.get("cli") is False or value == field.get_default(call_default_factory=True):
             continue
-        flag = _flag(name, field)
+        flag = flag_of(name, field)
         if extra.get("positional"):
             out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
         elif isinstance(value, bool):
@@ -229,7 +230,7 @@ def _option_name(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | N
     name, field = found
     make = _extra(field).get("make")
     shown = (make if "=" in str(make) else f"{make}=") if make else ""
-    return _flag(name, field) + (f" (make {shown})" if shown else "")
+    return flag_of(name, field) + (f" (make {shown})" if shown else "")
 
 
 def _explain(err: ValidationError, where: str, model: type[BaseModel] | None = None,
