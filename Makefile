@@ -17,6 +17,8 @@ CALIB_SAMPLES ?=
 CALIB_SEQ_LEN ?=
 CALIB_DATA    ?=
 PYTEST_ARGS   ?=
+# pytest-xdist workers for make test / test-fast (0: in this process, e.g. for --pdb)
+TEST_JOBS     ?= 2
 # bench / eval
 WORKLOAD      ?=
 SUITE         ?=
@@ -232,10 +234,11 @@ ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-
 	@$(QPIPE) ui --port $(MLFLOW_PORT)
 
 test: $(PIPELINE_STAMP) $(SERVE_STAMP) $(RAY_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
-	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 3 minutes): no model, no server, no service
-	@$(VENV)/bin/python -m pytest -m "not slow and not serve and not embedded and not services" $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup \
+	  -m "not slow and not serve and not embedded and not services" $(PYTEST_ARGS)
 
 lint: $(PIPELINE_STAMP) ## ruff, and the layer contract (no stage imports one above it)
 	@$(VENV)/bin/ruff check pipeline tests scripts

@@ -41,6 +41,11 @@ divergence: false
 plan: {gpu: h100-80gb, context: 512, max_context: 1024}
 """
 
+# `make test` runs on TEST_JOBS pytest-xdist workers (--dist loadgroup). Tests that hold a
+# machine-wide resource share an ``xdist_group`` and so run one after another on one worker:
+# "servers": three or more vLLM servers at once (~3 GB each: two workers' worth would not fit
+#            the 24 GiB machine), and the Ray tests (one Ray cluster per machine);
+# "embedded": the embedded model's conversion into the project's own artifacts dir.
 # fixtures that make a test slow (a model made, loaded or served) or need a system service
 SLOW_FIXTURES = {"tiny_model"}
 SERVICE_FIXTURES = {"postgres_uri", "chromium_path", "mlflow_server"}

@@ -28,7 +28,8 @@ from pipeline.quantize import stage as quantize
 from pipeline.serve import EngineSettings, ServerPool, VllmServer, known_refusal
 from tests.conftest import TINY_LOAD
 
-pytestmark = [pytest.mark.slow, pytest.mark.serve]
+# three or four servers at once (see conftest: the "servers" group)
+pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.xdist_group("servers")]
 
 TINY_PREFIX = """\
 description: tiny shared prefix

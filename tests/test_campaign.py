@@ -236,6 +236,7 @@ plan: {{gpu: h100-80gb, context: 512, max_context: 1024}}
 
 @pytest.mark.slow
 @pytest.mark.serve
+@pytest.mark.xdist_group("servers")  # three servers at once
 def test_a_variant_whose_server_is_killed_mid_bench_does_not_sink_the_campaign(
     tiny_model: Path, workspace: Path
 ) -> None:

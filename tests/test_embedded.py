@@ -12,7 +12,8 @@ from pipeline.quantize import baseline as baselines
 from pipeline.quantize import recipes
 from pipeline.quantize import stage as quantize
 
-pytestmark = [pytest.mark.slow, pytest.mark.embedded]
+# the conversion into the project's own artifacts dir: one worker at a time (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.embedded, pytest.mark.xdist_group("embedded")]
 
 
 @pytest.fixture(scope="module")

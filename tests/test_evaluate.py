@@ -229,6 +229,7 @@ def test_scores_equal_a_direct_lm_eval_run(workspace: Path, tiny_model: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.serve
+@pytest.mark.xdist_group("servers")
 def test_served_end_to_end_through_vllm(workspace: Path, tiny_model: Path) -> None:
     # fp8: served by vLLM CPU on AVX2 and AVX-512 machines alike (W4A16 needs AVX-512)
     base = baselines.resolve(str(tiny_model))

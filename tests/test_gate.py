@@ -163,6 +163,7 @@ def embedded() -> baselines.Baseline:
 
 @pytest.mark.slow
 @pytest.mark.embedded
+@pytest.mark.xdist_group("embedded")
 def test_gate_fails_a_crude_variant_and_passes_a_fine_one(
     embedded: baselines.Baseline, workspace: Path
 ) -> None:

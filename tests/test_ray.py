@@ -25,6 +25,8 @@ from tests.conftest import TINY_CAMPAIGN, TINY_LOAD, run_cli
 
 postgres_uri = services.postgres_uri
 pytest.importorskip("ray")
+# one Ray cluster per machine (the fixture refuses a second): every test here on one worker
+pytestmark = pytest.mark.xdist_group("servers")
 
 SLOT = '{"qpipe_slot": 1}'
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -52,9 +54,11 @@ def _qpipe_children() -> list[psutil.Process]:
             if "pipeline.cli" in " ".join(p.cmdline()) or "vllm" in " ".join(p.cmdline())]
 
 
-@pytest.fixture
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Two Ray nodes on this machine, one CPU and one ``qpipe_slot`` each."""
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """Two Ray nodes on this machine, one CPU and one ``qpipe_slot`` each, shared by this
+    module's tests (a start and a stop cost ~30 s); torn down after the last, and checked
+    that nothing of Ray is left then."""
     if _ray_processes():
         pytest.fail("a Ray cluster is already running on this machine; `ray stop` it first",
                     pytrace=False)
