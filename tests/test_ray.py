@@ -54,11 +54,14 @@ def _qpipe_children() -> list[psutil.Process]:
             if "pipeline.cli" in " ".join(p.cmdline()) or "vllm" in " ".join(p.cmdline())]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_cluster() -> Iterator[str]:
-    """Two Ray nodes on this machine, one CPU and one ``qpipe_slot`` each, shared by this
-    module's tests (a start and a stop cost ~30 s); torn down after the last, and checked
-    that nothing of Ray is left then."""
+    """Two Ray nodes on this machine, one CPU and one ``qpipe_slot`` each. One per test, not per
+    module: an xdist worker that does not yet hold the next test tears module fixtures down
+    anyway, so a shared cluster would be stopped and started again at unknown points."""
+    deadline = time.monotonic() + 30  # a previous test's `ray stop` may still be finishing
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(1)
     if _ray_processes():
         pytest.fail("a Ray cluster is already running on this machine; `ray stop` it first",
                     pytrace=False)
