@@ -47,12 +47,14 @@ def test_make_all_runs_the_stages_of_the_data_flow_in_order() -> None:
     assert len(registry.BY_NAME) == len(registry.STAGES)  # one entry per name
 
 
-def _bound_fields(model: type[BaseModel]) -> typing.Iterator[tuple[str, Any]]:
-    """(Makefile variable, field) of every option of ``model`` bound to one."""
-    for _, field in flat_fields(model):
+def _bound_fields(model: type[BaseModel]) -> typing.Iterator[tuple[str, str, Any]]:
+    """(Makefile variable, field name, field) of every option of ``model`` bound to one
+    (a ``FORCE=1``-style switch as its variable, ``FORCE``)."""
+    for name, field in flat_fields(model):
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        if isinstance(extra.get("make"), str) and extra["make"].isidentifier():
-            yield extra["make"], field
+        make = str(extra.get("make", ""))
+        if make.isidentifier() or re.fullmatch(r"[A-Z_]+=1", make):
+            yield make.removesuffix("=1"), name, field
 
 
 def _default_text(value: Any) -> str:
@@ -69,7 +71,7 @@ def test_a_default_lives_in_one_place_the_makefile_passes_only_what_is_set() -> 
     defaults = dict(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*\?=[ \t]*(.*)$", MAKEFILE, re.M))
     checked, drifted = 0, []
     for stage in registry.STAGES:
-        for variable, field in _bound_fields(stage.settings_type()):
+        for variable, _, field in _bound_fields(stage.settings_type()):
             value = defaults.get(variable, "").strip()
             if variable not in defaults or value.startswith("$("):
                 continue  # not a Makefile default, or one derived from another variable
@@ -103,7 +105,6 @@ def test_the_campaign_composes_the_stages_options_instead_of_copying_them() -> N
     assert CampaignSettings().file().suites == ("app",)  # unset: the campaign file's
 
 
-
 STUB = """\
 #!/usr/bin/env python3
 import json, sys
@@ -114,27 +115,22 @@ with open(sys.argv[0] + ".calls", "a") as out:
 
 def _variables(model: type[BaseModel]) -> typing.Iterator[tuple[str, str, str, list[str]]]:
     """(variable, its value, field name, the same value as flag tokens) for each option of
-    ``model`` that a Makefile variable sets (``FORCE=1``-style switches included)."""
-    for name, field in flat_fields(model):
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        make = str(extra.get("make", ""))
+    ``model`` that a Makefile variable sets."""
+    for variable, name, field in _bound_fields(model):
         flag = flag_of(name, field)
-        if re.fullmatch(r"[A-Z_]+=1", make):
-            yield make[:-2], "1", name, [flag]
-            continue
-        if not make.isidentifier():
-            continue
         inner = field.annotation
         args = [a for a in typing.get_args(inner) if a is not type(None)]
         if typing.get_origin(inner) in (typing.Union, types.UnionType) and len(args) == 1:
             inner = args[0]
-        if typing.get_origin(inner) is typing.Literal:
+        if inner is bool:
+            yield variable, "1", name, [flag]
+        elif typing.get_origin(inner) is typing.Literal:
             value = str(typing.get_args(inner)[-1])  # the last choice: rarely the default
-            yield make, value, name, [flag, value]
+            yield variable, value, name, [flag, value]
         elif typing.get_origin(inner) in (list, tuple):
-            yield make, "3 5", name, [flag, "3", flag, "5"]
+            yield variable, "3 5", name, [flag, "3", flag, "5"]
         else:
-            yield make, "3", name, [flag, "3"]
+            yield variable, "3", name, [flag, "3"]
 
 
 @pytest.mark.parametrize("stage", registry.STAGES, ids=lambda s: s.name)
