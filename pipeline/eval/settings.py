@@ -48,7 +48,9 @@ class EvalSettings(StageSettings):
         json_schema_extra={"make": "BACKEND"})
     batch_size: int = Field(16, ge=1, description="hf: sequences per forward pass; served: prompts "
                             "per request")
-    num_concurrent: int = Field(2, ge=1, description="requests in flight to the vLLM server")
+    num_concurrent: int = Field(8, ge=1, description="requests in flight to the vLLM server "
+                                "(8: larger batches; FP8 on vLLM CPU scores ~25% faster than "
+                                "with 2)")
     divergence: bool = Field(True, description="KL divergence, top-1 agreement and perplexity "
                              "on held-out text", json_schema_extra={
                                  "negative": "--no-divergence",
