@@ -134,11 +134,12 @@ def _boundary(first: int, last: int, alpha: float) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=16)
 def _grid(first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-    """The boundary at every overall level of _GRID; the last look's made non-decreasing
+    """The boundary at every overall level of _GRID, both levels made non-decreasing in it
     (lowered where a larger level's is lower: only more conservative), so that "crossed at
     level a" grows with a and the smallest such a is a valid p-value."""
     pairs = np.array([_boundary(first, last, float(a)) for a in _GRID])
-    return pairs[:, 0], np.minimum.accumulate(pairs[::-1, 1])[::-1]
+    rising = np.minimum.accumulate(pairs[::-1], axis=0)[::-1]
+    return rising[:, 0], rising[:, 1]
 
 
 @dataclass(frozen=True)
