@@ -2,9 +2,9 @@
 
 A step is one run of vLLM's client: a workload at one load point and repeat. The models of a
 group are measured back to back in each step (on a CPU host every server is up at once, so they
-alternate run by run: interleaved). A model that fails (its engine dies, requests fail, the
-client times out) is recorded as failed and stopped; the others go on. A format the engine
-cannot serve here is recorded as unsupported and remembered at once.
+take turns run by run, in a random order per repeat: interleaved). A model that fails (its
+engine dies, requests fail, the client times out) is recorded as failed and stopped; the others
+go on. A format the engine cannot serve here is recorded as unsupported and remembered at once.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -291,10 +292,8 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
 def _run_step(client: BenchClient, live: dict[str, VllmServer], records: dict[str, ModelRecord],
               step: Step, out: Path, pool: ServerPool | None, progress: str,
               names: list[str]) -> None:
-    """One step for ``names``, in the baseline-first order on even repeats and reversed on odd
-    ones, so that neither side of a ratio always runs first."""
-    order = names if step.repeat % 2 == 0 else names[::-1]
-    for name in order:
+    """One step for ``names``, in :func:`run_order`."""
+    for name in run_order(names, step.repeat):
         if name not in live or not step.runs_on(name):
             continue
         log.info(f"{progress} {name}: {step.key} concurrency {step.concurrency} repeat "
@@ -303,6 +302,22 @@ def _run_step(client: BenchClient, live: dict[str, VllmServer], records: dict[st
             _load_point(client, live[name], records[name], step, out / "runs")
         except ServeError as err:
             _drop(live, name, records, err, pool)
+
+
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """The order of one repeat's runs: a random permutation, drawn from ``repeat`` alone (the
+    same in every bench, so that a run can be redone).
+
+    This host's speed drifts: a run's speed correlates 0.66-0.68 with the next run's, 0.4-0.5
+    with the one after (three make all runs, 2026-12-03). With the baseline first and the order
+    reversed every other repeat (the rule until then), the baseline's runs of two repeats sat
+    side by side (B v | v B), successive ratios correlated, and the t interval was too narrow:
+    a false "slower" 7.3% against its 5% on that drift (simulated). In a random order the
+    baseline and a variant are exchangeable, so successive ratios are uncorrelated on average
+    and neither side runs first more often (``make calibrate``'s drifting-host rows)."""
+    order = list(names)
+    random.Random(repeat).shuffle(order)
+    return order
 
 
 def speed_ratios(runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) -> list[float]:

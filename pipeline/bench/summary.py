@@ -39,7 +39,8 @@ CLIENT_METRICS = {
 
 def pairing(target: str) -> str:
     """How each speedup ratio pairs its two runs (said wherever a speedup is shown)."""
-    return ("interleaved: the models alternate run by run, on the same prompts" if target == "cpu"
+    return ("interleaved: the models run by turns, in a random order per repeat, on the same "
+            "prompts" if target == "cpu"
             else "sequential: each model's repeats back to back, on the same prompts")
 
 

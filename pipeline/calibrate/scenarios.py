@@ -18,12 +18,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipeline.bench import workloads
-from pipeline.bench.measure import speed_ratios
+from pipeline.bench.measure import run_order, speed_ratios
 from pipeline.bench.slo import CapacitySearch, Objective
 from pipeline.bench.summary import point_figures, speedup_of
 from pipeline.core import tracking
 from pipeline.core.artifacts import Capacity, CostTarget, Row, TaskEntry
 from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided, undecided
+from pipeline.core.variant import BASELINE
 from pipeline.eval import gate, recovery
 from pipeline.report import cost
 from pipeline.report.recommend import recommend
@@ -108,6 +109,46 @@ def recommend_draw(k: int, true: float, sd: float, looks: Looks, failing: int = 
         rows = [_row("baseline", {})] + [_row(f"v{i}", point_figures(runs[i], base, looks),
                                               gate.FAIL if i < failing else gate.PASS)
                                          for i in range(k)]
+        best, _ = recommend(rows, "speed")
+        return "recommends one" if best else "recommends none"
+    return draw
+
+
+# A host whose speed drifts: over the chat sweep's runs at concurrency 8 (~6.5 s apart) of three
+# make all runs on the 2-core AVX-512 VM (2026-12-03, 43-66 runs each), a model's log
+# throughput about its own mean correlated 0.66-0.68 with the next run's, 0.39-0.49 two runs on,
+# ~0 at six, with a spread of 0.09-0.11: AR(1) from run to run, as simulated here
+DRIFT_RHO, DRIFT_SD = 0.68, 0.11
+
+
+def drift_draw(k: int, true: float, looks: Looks, report: str = "speed") -> Draw:
+    """k variants at ``true`` and the baseline measured as bench measures them, run by run in
+    bench's own order (:func:`~pipeline.bench.measure.run_order`) on a host whose speed
+    drifts (``DRIFT_RHO``): all of them for the first look, then the baseline and the
+    variants ``undecided`` leaves open. ``report``: "speed", the first variant's verdict;
+    "recommendation", whether the speed objective picks one."""
+    names = [f"v{i}" for i in range(k)]
+
+    def draw(rng: np.random.Generator) -> str:
+        level = rng.normal(0, DRIFT_SD)
+        innovation = DRIFT_SD * math.sqrt(1 - DRIFT_RHO ** 2)
+        runs: dict[str, list[dict]] = {name: [] for name in [BASELINE, *names]}
+        open_, repeat = names, 0
+        while open_:
+            for name in run_order([BASELINE, *open_], repeat):
+                level = DRIFT_RHO * level + rng.normal(0, innovation)
+                speed = 100 * (1.0 if name == BASELINE else true) * math.exp(level)
+                runs[name].append({"output_throughput": speed})
+            repeat += 1
+            if repeat >= looks.first:
+                open_ = undecided({name: speed_ratios(runs[name], runs[BASELINE])
+                                   for name in names}, looks)
+        figures = {name: point_figures(runs[name], runs[BASELINE], looks) for name in names}
+        if report == "speed":
+            found = speedup_of(figures[names[0]])
+            assert found is not None
+            return found.verdict
+        rows = [_row(BASELINE, {})] + [_row(name, figures[name]) for name in names]
         best, _ = recommend(rows, "speed")
         return "recommends one" if best else "recommends none"
     return draw
@@ -299,6 +340,19 @@ def two_speed_host(looks: Looks) -> list[Scenario]:
                  fast=False),
         Scenario("recommendation", f"4 variants, none faster (1.00), {label}",
                  "recommend none", recommend_draw(4, 1.0, 0.0, looks, modes=True),
+                 {"recommends one": ALPHA}, fast=False),
+    ]
+
+
+def drifting_host(looks: Looks) -> list[Scenario]:
+    """The speed verdicts on a host whose speed drifts from run to run (``DRIFT_RHO``)."""
+    label = f"a drifting host (run-to-run correlation {DRIFT_RHO}, sd {DRIFT_SD})"
+    return [
+        Scenario("speed", f"true speedup 1.00, 4 variants interleaved, {label}",
+                 "not faster, not slower", drift_draw(4, 1.0, looks),
+                 {FASTER: ALPHA, SLOWER: ALPHA}, fast=False),
+        Scenario("recommendation", f"4 variants, none faster (1.00), {label}",
+                 "recommend none", drift_draw(4, 1.0, looks, "recommendation"),
                  {"recommends one": ALPHA}, fast=False),
     ]
 

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.bench import workloads
-from pipeline.calibrate.scenarios import Scenario, catalogue, two_speed_host
+from pipeline.calibrate.scenarios import Scenario, catalogue, drifting_host, two_speed_host
 from pipeline.core import log as qlog
 from pipeline.core import paths, tracking
 from pipeline.core.artifacts import BenchSummary
@@ -131,7 +131,7 @@ def calibrate(settings: CalibrateSettings) -> list[dict[str, Any]]:
                     r["scenario"] == scenario.name for r in rows):
                 continue  # the noise level only changes the speed scenarios
             rows += rows_for(scenario, simulate(scenario, settings.runs, rng), settings.runs)
-    for scenario in two_speed_host(looks):
+    for scenario in [*two_speed_host(looks), *drifting_host(looks)]:
         if not settings.fast or scenario.fast:
             rows += rows_for(scenario, simulate(scenario, settings.runs, rng), settings.runs)
     return rows
