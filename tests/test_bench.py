@@ -18,7 +18,7 @@ from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import BenchSummary
 from pipeline.core.provenance import serve_python
 from pipeline.core.speedup import speedup
-from pipeline.core.variant import variants_of
+from pipeline.core.variant import variants_of, with_baseline
 from pipeline.eval import EvalSettings, lm, suites
 from pipeline.eval import stage as evaluate
 from pipeline.plan import capacity
@@ -136,6 +136,24 @@ def _count_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return started
 
 
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, bool]]:
+    """("launch" | "ready", served name, prefix caching) of every server, in order."""
+    events: list[tuple[str, str, bool]] = []
+    launch, ready = VllmServer.launch, VllmServer.wait_ready
+
+    def launched(server: VllmServer) -> None:
+        events.append(("launch", server.served_name, server.settings.enable_prefix_caching))
+        launch(server)
+
+    def waited(server: VllmServer) -> None:
+        ready(server)
+        events.append(("ready", server.served_name, server.settings.enable_prefix_caching))
+
+    monkeypatch.setattr(VllmServer, "launch", launched)
+    monkeypatch.setattr(VllmServer, "wait_ready", waited)
+    return events
+
+
 def test_bench_measures_baseline_and_variant_through_vllm(
     tiny_model: Path, workspace: Path, served_setup: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,8 +182,15 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     avx2 = hardware.profile().kernel_library == "_C_AVX2"
     with ServerPool() as pool:  # as a campaign runs it: eval scores through bench's servers
         # the reference set: the probe of float32 against bf16 is the AVX2 test's below
-        summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool,
-                              reference_dtype="bfloat16")
+        with monkeypatch.context() as patched:
+            launches = _record_launches(patched)
+            summary = bench.bench(base, ["int4"], loads, settings, target="cpu", pool=pool,
+                                  reference_dtype="bfloat16")
+        # the prefix comparison's caching-on server loaded with the cold pass's, not after it
+        base_name = with_baseline(base, ["int4"])[0].served_name
+        first_ready = next(i for i, e in enumerate(launches) if e[0] == "ready")
+        assert ("launch", base_name, True) in launches[:first_ready], launches
+        assert ("ready", base_name, False) in launches  # and the cold pass's baseline
         served_models = (("baseline", base.path),) + (() if avx2 else (
             ("int4", workspace / "artifacts" / "variants" / base.name / "int4"),))
         kept = [pool.get(path, name, settings, any_caching=True)

@@ -40,7 +40,7 @@ from pipeline.serve import (
     known_refusal,
     remember_refusal,
 )
-from pipeline.serve.server import describe_command
+from pipeline.serve.server import describe_command, server_environment
 
 log = qlog.get("bench")
 HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
@@ -122,30 +122,62 @@ def failed(record: ModelRecord, err: ServeError, log_path: Path) -> None:
     record.log = str(log_path)
 
 
+def _own_settings(model: Variant, settings: EngineSettings,
+                  dtypes: dict[str, str] | None) -> EngineSettings:
+    return settings.model_copy(update={"dtype": (dtypes or {}).get(model.name, settings.dtype)})
+
+
+def _new_server(model: Variant, settings: EngineSettings, logs: Path, label: str,
+                dtypes: dict[str, str] | None) -> VllmServer:
+    return VllmServer(model.path, model.served_name, _own_settings(model, settings, dtypes),
+                      logs / f"server-{model.name}-{label}.log")
+
+
+def launch_ahead(models: list[Variant], records: dict[str, ModelRecord],
+                 settings: EngineSettings, logs: Path, label: str,
+                 dtypes: dict[str, str] | None = None) -> dict[str, VllmServer]:
+    """Launch, without waiting, the servers a later pass will use (:func:`servers` takes
+    them): on a CPU they load with the first pass's instead of after it. The caller stops
+    them (a pass that takes one stops it too)."""
+    ahead = {}
+    for model in models:
+        if records[model.name].status == "ok":
+            log.info(f"starting vLLM for {model.name} ({label}, for later) ...")
+            ahead[model.name] = _new_server(model, settings, logs, label, dtypes)
+            ahead[model.name].launch()
+    return ahead
+
+
 @contextlib.contextmanager
 def servers(models: list[Variant], records: dict[str, ModelRecord], settings: EngineSettings,
             logs: Path, label: str, pool: ServerPool | None = None,
-            dtypes: dict[str, str] | None = None) -> Iterator[dict[str, VllmServer]]:
+            dtypes: dict[str, str] | None = None,
+            ahead: dict[str, VllmServer] | None = None) -> Iterator[dict[str, VllmServer]]:
     """A server per model; an unsupported format is recorded, not fatal. With a ``pool``, a
     server it holds is reused and a new one is left running in it for the next stage.
-    ``dtypes``: a model served in another ``--dtype`` than the engine's (the reference)."""
+    ``dtypes``: a model served in another ``--dtype`` than the engine's (the reference);
+    ``ahead``: servers already launched for these models (:func:`launch_ahead`)."""
     with contextlib.ExitStack() as stack:
-        live, starting = {}, []
+        live, starting, own = {}, [], []
+        stack.callback(stop_all, own, pool)
         for model in models:  # launched together: on CPUs their loading overlaps
             record = records[model.name]
             if record.status != "ok":
                 continue
-            own = settings.model_copy(update={"dtype": (dtypes or {}).get(model.name,
-                                                                          settings.dtype)})
-            server = pool.get(model.path, model.served_name, own) if pool else None
+            server = (ahead or {}).pop(model.name, None)
+            if server is None and pool is not None:
+                server = pool.get(model.path, model.served_name,
+                                  _own_settings(model, settings, dtypes))
+                if server is not None:
+                    log.info(f"{model.name}: reusing the running vLLM server "
+                             f"({server.base_url})")
+            elif server is not None:
+                own.append(server)
             if server is None:
                 log.info(f"starting vLLM for {model.name} ({label}) ...")
-                server = VllmServer(model.path, model.served_name, own,
-                                    logs / f"server-{model.name}-{label}.log")
+                server = _new_server(model, settings, logs, label, dtypes)
                 server.launch()
-                stack.callback(_stop_unless_kept, server, pool)
-            else:
-                log.info(f"{model.name}: reusing the running vLLM server ({server.base_url})")
+                own.append(server)
             if not record.serve_command:  # the speed sweep's server (caching off)
                 record.serve_command = describe_command(server)
             starting.append((model, server))
@@ -169,8 +201,12 @@ def servers(models: list[Variant], records: dict[str, ModelRecord], settings: En
                                                       server.peak_memory_bytes)
 
 
-def _stop_unless_kept(server: VllmServer, pool: ServerPool | None) -> None:
-    if pool is None or not pool.holds(server):
+def stop_all(servers: list[VllmServer], pool: ServerPool | None = None) -> None:
+    """Stop those the pool does not keep, all shutting down at once."""
+    leaving = [s for s in servers if pool is None or not pool.holds(s)]
+    for server in leaving:
+        server.begin_stop()
+    for server in leaving:
         server.stop()
 
 
@@ -258,27 +294,44 @@ def _wna16_kernels(record: ModelRecord, engine_log: engine_metrics.EngineLog,
         "rules here are not vLLM's for this version)")
 
 
+def pass_label(caching: bool) -> str:
+    return "cache-on" if caching else "cache-off"
+
+
+def pass_settings(settings: EngineSettings, caching: bool) -> EngineSettings:
+    return settings.model_copy(update={"enable_prefix_caching": caching})
+
+
 def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, ModelRecord],
             settings: EngineSettings, out: Path, logs: Path, caching: bool,
             pool: ServerPool | None = None, searches: tuple[Workload, ...] = (),
-            dtypes: dict[str, str] | None = None) -> None:
+            dtypes: dict[str, str] | None = None, client: BenchClient | None = None,
+            ahead: dict[str, VllmServer] | None = None) -> None:
     """Every step, the models of a group back to back (interleaved); then each capacity
-    search (``searches``: workloads with an slo), the models' runs interleaved too."""
-    label = "cache-on" if caching else "cache-off"
-    run_settings = settings.model_copy(update={"enable_prefix_caching": caching})
+    search (``searches``: workloads with an slo), the models' runs interleaved too.
+    ``client``: vLLM's benchmark client to use (one is started otherwise, while the servers
+    load); ``ahead``: servers launched earlier for this pass (:func:`launch_ahead`)."""
+    label = pass_label(caching)
+    run_settings = pass_settings(settings, caching)
     derived: dict[str, Workload] = {}  # ``auto`` settings derived once, for every group
-    for group in groups:
-        with servers(group, records, run_settings, logs, label, pool, dtypes) as live:
-            if not live or not (steps or searches):
-                continue
-            for name, server in list(live.items()):
-                if not records[name].kv:
-                    try:
-                        record_engine(records[name], server, run_settings)
-                    except ServeError as err:
-                        _drop(live, name, records, err, pool)
-            env = next(iter(live.values())).environment() if live else {}
-            with BenchClient(env, logs / "bench-client.log") as client:
+    if not any(groups) or not (steps or searches):
+        return
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            client = stack.enter_context(BenchClient(
+                server_environment(run_settings, hardware.serve_target()),
+                logs / "bench-client.log"))
+        for group in groups:
+            with servers(group, records, run_settings, logs, label, pool, dtypes,
+                         ahead) as live:
+                if not live:
+                    continue
+                for name, server in list(live.items()):
+                    if not records[name].kv:
+                        try:
+                            record_engine(records[name], server, run_settings)
+                        except ServeError as err:
+                            _drop(live, name, records, err, pool)
                 for i, step in enumerate(steps, start=1):
                     _run_step(client, live, records, step, out, pool, f"{i}/{len(steps)}",
                               list(live))

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.client import BenchClient
 from pipeline.bench.measure import ModelRecord, Step, measure
 from pipeline.bench.summary import point_figures, speedup_of
 from pipeline.bench.workloads import Workload
@@ -39,8 +40,8 @@ def _probe_record(base: Variant, sweep: Workload, settings: EngineSettings) -> P
 
 
 def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: Path,
-           logs: Path, target: str, wanted: str = "auto", force: bool = False
-           ) -> dict[str, Any]:
+           logs: Path, target: str, wanted: str = "auto", force: bool = False,
+           client: BenchClient | None = None) -> dict[str, Any]:
     """``{"dtype": ..., "why": ...}`` (and the probe's figures where one ran); ``wanted``: a
     dtype the user set (``REFERENCE=``), taken as it is. A probe's decision is kept and reused
     by the next bench run with the same inputs (``FORCE=1`` probes again)."""
@@ -70,7 +71,7 @@ def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: 
     steps = [Step(sweep, sweep.name, r, sweep.headline, caching=False)
              for r in range(sweep.repeats)]
     measure([[base, fp32]], steps, records, settings, out / "reference", logs, caching=False,
-            dtypes={fp32.name: FLOAT32})
+            dtypes={fp32.name: FLOAT32}, client=client)
     if records[fp32.name].status != "ok" or records[BASELINE].status != "ok":
         failed = next(r for r in records.values() if r.status != "ok")
         return {"dtype": settings.dtype, "why": f"the {FLOAT32} probe did not complete "

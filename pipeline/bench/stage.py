@@ -8,13 +8,24 @@ unchanged invocation are reused (``--force`` re-measures); a run with a failed m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from datetime import datetime, timezone
 
 from pipeline.bench import reference, slo
 from pipeline.bench import workloads as workloads_mod
-from pipeline.bench.measure import ModelRecord, measure, recall_unsupported, steps_for
+from pipeline.bench.client import BenchClient
+from pipeline.bench.measure import (
+    ModelRecord,
+    launch_ahead,
+    measure,
+    pass_label,
+    pass_settings,
+    recall_unsupported,
+    steps_for,
+    stop_all,
+)
 from pipeline.bench.settings import BenchSettings
 from pipeline.bench.summary import STAGE, log_runs, pairing, summarize
 from pipeline.bench.table import format_table
@@ -28,6 +39,7 @@ from pipeline.core.provenance import content_key, vllm_version
 from pipeline.core.variant import BASELINE, Variant, with_baseline
 from pipeline.quantize import baseline as baselines
 from pipeline.serve import EngineSettings, ServerPool
+from pipeline.serve.server import server_environment
 
 log = qlog.get("bench")
 
@@ -102,16 +114,25 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
     cold, warm = steps_for(loads, caching=False), steps_for(loads, caching=True)
     searches = tuple(w for w in loads if w.slo is not None)
     started = time.monotonic()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, contextlib.ExitStack() as stack:
+        # one benchmark client for every pass, importing vLLM while the first servers load
+        client = stack.enter_context(BenchClient(
+            server_environment(settings, target), logs / "bench-client.log"))
         chosen = reference.choose(models[0], loads, settings, tmp, logs, target,
-                                  reference_dtype, force)
+                                  reference_dtype, force, client)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
-        measure(groups([m for m in models if any(s.runs_on(m.name) for s in cold)
-                        or any(w.runs_on(m.name) for w in searches)]), cold,
-                records, settings, tmp, logs, caching=False, pool=pool, searches=searches,
-                dtypes=dtypes)
-        measure(groups([m for m in models if any(s.runs_on(m.name) for s in warm)]), warm,
-                records, settings, tmp, logs, caching=True, dtypes=dtypes)
+        cold_models = [m for m in models if any(s.runs_on(m.name) for s in cold)
+                       or any(w.runs_on(m.name) for w in searches)]
+        warm_models = [m for m in models if any(s.runs_on(m.name) for s in warm)]
+        # on a CPU the second pass's servers (prefix caching on) load with the first's: no
+        # start-up after the first pass (~45 s on 2 cores)
+        ahead = launch_ahead(warm_models, records, pass_settings(settings, True), logs,
+                             pass_label(True), dtypes) if target == "cpu" and cold_models else {}
+        stack.callback(lambda: stop_all(list(ahead.values())))
+        measure(groups(cold_models), cold, records, settings, tmp, logs, caching=False,
+                pool=pool, searches=searches, dtypes=dtypes, client=client)
+        measure(groups(warm_models), warm, records, settings, tmp, logs, caching=True,
+                dtypes=dtypes, client=client, ahead=ahead)
         summary = BenchSummary(
             baseline=base.name, target=target, key=key,
             measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),

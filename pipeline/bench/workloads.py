@@ -71,7 +71,7 @@ class Workload:
     # which models run it: every one, or only the baseline (what prefix reuse buys is mostly
     # the engine's, not the precision's)
     models: str = "all"
-    # with caching off, every model it runs on or only the baseline (a restart each)
+    # with caching off, every model it runs on or only the baseline (a second server each)
     prefix_off_models: str = "all"
     prompts: str = ""  # custom: the prompt file (JSONL), resolved against the workload's folder
     trace: str = ""  # timed_trace: the trace file (JSONL), likewise

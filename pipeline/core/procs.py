@@ -61,6 +61,14 @@ def family(proc: subprocess.Popen[Any]) -> list[psutil.Process]:
         return []
 
 
+def terminate(proc: subprocess.Popen[Any] | None) -> None:
+    """SIGTERM the group without waiting: several can then shut down at once (:func:`stop`
+    waits for each)."""
+    if proc is not None and (proc.poll() is None or family(proc)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+
+
 def stop(proc: subprocess.Popen[Any] | None, timeout: float = 30) -> None:
     """SIGTERM the group, SIGKILL whatever is left after ``timeout``; reap every child."""
     if proc is None:

@@ -50,6 +50,9 @@ class ServerPool:
         server.stop()
 
     def close(self) -> None:
+        """Stop every server, all shutting down at once (each takes a few seconds)."""
+        for server in self._servers.values():
+            server.begin_stop()
         for server in self._servers.values():
             server.stop()
         self._servers.clear()

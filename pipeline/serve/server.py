@@ -72,6 +72,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_environment(settings: EngineSettings, target: str) -> dict[str, str]:
+    """The environment a vLLM process runs in (a server, or vLLM's benchmark client)."""
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if target == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(settings.kv_cache_space_gib))
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # ~20% faster on 2 cores
+        env.update(hardware.serving_environment(hardware.forced_isa()))
+    return env
+
+
 class VllmServer:
     """``with VllmServer(model_dir, name, settings, log_path) as server: server.base_url``."""
 
@@ -122,13 +133,7 @@ class VllmServer:
         return [*cmd, *s.extra_args]
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-        if self.target == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.kv_cache_space_gib))
-            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # ~20% faster on 2 cores
-            env.update(hardware.serving_environment(hardware.forced_isa()))
-        return env
+        return server_environment(self.settings, self.target)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -312,6 +317,11 @@ class VllmServer:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
         return total
+
+    def begin_stop(self) -> None:
+        """Ask the server to shut down, without waiting (:meth:`stop` then waits)."""
+        self._stopping.set()
+        procs.terminate(self.proc)
 
     def stop(self, timeout: float = 30) -> None:
         """Stop the whole process group (:func:`pipeline.core.procs.stop`)."""
