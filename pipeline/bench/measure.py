@@ -40,7 +40,7 @@ from pipeline.serve import (
     known_refusal,
     remember_refusal,
 )
-from pipeline.serve.server import describe_command, server_environment
+from pipeline.serve.server import describe_command, server_environment, stop_servers
 
 log = qlog.get("bench")
 HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
@@ -203,11 +203,7 @@ def servers(models: list[Variant], records: dict[str, ModelRecord], settings: En
 
 def stop_all(servers: list[VllmServer], pool: ServerPool | None = None) -> None:
     """Stop those the pool does not keep, all shutting down at once."""
-    leaving = [s for s in servers if pool is None or not pool.holds(s)]
-    for server in leaving:
-        server.begin_stop()
-    for server in leaving:
-        server.stop()
+    stop_servers([s for s in servers if pool is None or not pool.holds(s)])
 
 
 def kv_dtype(settings: EngineSettings, config: dict[str, Any] | None = None) -> str:

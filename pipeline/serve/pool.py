@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.hardware import serve_target
-from pipeline.serve.server import VllmServer
+from pipeline.serve.server import VllmServer, stop_servers
 from pipeline.serve.settings import EngineSettings
 
 Key = tuple[str, str, EngineSettings]
@@ -50,11 +50,8 @@ class ServerPool:
         server.stop()
 
     def close(self) -> None:
-        """Stop every server, all shutting down at once (each takes a few seconds)."""
-        for server in self._servers.values():
-            server.begin_stop()
-        for server in self._servers.values():
-            server.stop()
+        """Stop every server, all shutting down at once."""
+        stop_servers(list(self._servers.values()))
         self._servers.clear()
 
     def __enter__(self) -> ServerPool:
