@@ -159,3 +159,28 @@ def test_a_probes_decision_is_reused_by_the_next_bench_run_here(
     assert again["dtype"] == "float32" and "reused" in again["why"] and len(probes) == 1
     reference.choose(base, [sweep], EngineSettings(), workspace, workspace, "cpu", force=True)
     assert len(probes) == 2
+
+
+def test_the_worker_cpus_are_one_per_physical_core_on_one_numa_node() -> None:
+    # 4 logical CPUs on 2 cores (SMT siblings 0/2 and 1/3), one node: the highest of each core
+    cores = {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)}
+    assert hardware.worker_cpus({0, 1, 2, 3}, cores, dict.fromkeys(range(4), 0)) == (2, 3)
+    assert hardware.worker_cpus({0, 1}, cores, dict.fromkeys(range(4), 0)) == (0, 1)
+    # two nodes, or a CPU of unknown topology: vLLM's own binding is kept
+    assert hardware.worker_cpus({0, 1}, cores, {0: 0, 1: 1}) is None
+    assert hardware.worker_cpus({0, 5}, cores, dict.fromkeys(range(6), 0)) is None
+
+
+def test_serving_cpus_reads_sysfs(tmp_path) -> None:
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    for cpu in allowed:
+        topology = tmp_path / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{cpu // 2}\n")  # pairs of SMT siblings
+    (tmp_path / "node" / "node0").mkdir(parents=True)
+    (tmp_path / "node" / "node0" / "cpulist").write_text(f"0-{max(allowed)}\n")
+    expected = tuple(sorted({cpu // 2: cpu for cpu in allowed}.values()))
+    assert hardware.serving_cpus.__wrapped__(tmp_path) == expected

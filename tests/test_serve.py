@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.core import hardware
 from pipeline.serve.server import (
     EngineSettings,
     ServeError,
@@ -246,6 +247,36 @@ def test_cpu_and_gpu_commands_differ_only_where_they_must(tmp_path: Path) -> Non
     assert "--gpu-memory-utilization" not in cpu.command()
     assert cpu.environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "VLLM_CPU_KVCACHE_SPACE" not in {k for k in gpu.environment() if k not in os.environ}
+
+
+def test_a_cpu_server_runs_its_worker_in_process_with_vllms_automatic_binding(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(hardware, "serving_cpus", lambda: (0, 2))
+    settings = EngineSettings()
+    cpu = VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cpu")
+    assert cpu.command()[-2:] == ["--distributed-executor-backend", "uni"]
+    env = cpu.environment()
+    assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["OMP_NUM_THREADS"], env["OMP_PLACES"],
+            env["OMP_PROC_BIND"]) == ("0", "2", "{0,2}", "true")
+    # vLLM's own processes where it binds by NUMA node, on GPUs, across devices, or when the
+    # user binds or picks the executor
+    kept = [VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cuda"),
+            VllmServer(tmp_path, "m", settings.model_copy(update={"tensor_parallel_size": 2}),
+                       tmp_path / "l", target="cpu"),
+            VllmServer(tmp_path, "m", settings.model_copy(
+                update={"extra_args": ("--distributed-executor-backend", "mp")}),
+                tmp_path / "l", target="cpu")]
+    monkeypatch.setattr(hardware, "serving_cpus", lambda: None)
+    kept.append(VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cpu"))
+    for server in kept:
+        assert server.command().count("--distributed-executor-backend") <= 1
+        assert "uni" not in server.command()
+        added = server.environment().keys() - os.environ.keys()
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in added
+    monkeypatch.setattr(hardware, "serving_cpus", lambda: (0, 1))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert "uni" not in VllmServer(tmp_path, "m", settings, tmp_path / "l", target="cpu").command()
 
 
 def test_a_format_that_loads_but_cannot_run_is_unsupported_with_the_hardware_fact(

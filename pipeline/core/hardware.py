@@ -180,6 +180,51 @@ def forced_isa() -> str:
     return value
 
 
+def worker_cpus(allowed: set[int], core_of: dict[int, tuple[int, int]],
+                node_of: dict[int, int]) -> tuple[int, ...] | None:
+    """The CPUs vLLM CPU's automatic binding gives its one worker when no CPU is reserved
+    (``vllm/utils/ompmultiprocessing.py``: one logical CPU per physical core, the highest id
+    of each), or None where the allowed CPUs span several NUMA nodes or the topology of one
+    is unknown (vLLM then binds to one node and its memory: leave that to vLLM)."""
+    if not allowed or any(c not in core_of or c not in node_of for c in allowed):
+        return None
+    if len({node_of[c] for c in allowed}) != 1:
+        return None
+    per_core: dict[tuple[int, int], int] = {}
+    for cpu in sorted(allowed):
+        per_core[core_of[cpu]] = cpu
+    return tuple(sorted(per_core.values()))
+
+
+@functools.cache
+def serving_cpus(system: Path = Path("/sys/devices/system")) -> tuple[int, ...] | None:
+    """:func:`worker_cpus` for this process's allowed CPUs, from sysfs."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    core_of, node_of = {}, {}
+    for cpu in allowed:
+        topology = system / "cpu" / f"cpu{cpu}" / "topology"
+        try:
+            core_of[cpu] = (int((topology / "physical_package_id").read_text()),
+                            int((topology / "core_id").read_text()))
+        except (OSError, ValueError):
+            return None
+    for node in system.glob("node/node[0-9]*"):
+        try:
+            text = (node / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        for part in filter(None, text.split(",")):
+            low, _, high = part.partition("-")
+            for cpu in range(int(low), int(high or low) + 1):
+                node_of[cpu] = int(node.name.removeprefix("node"))
+    if not node_of:  # no NUMA information (a kernel without it): one node
+        node_of = dict.fromkeys(allowed, 0)
+    return worker_cpus(set(allowed), core_of, node_of)
+
+
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
     """(model name, the KERNEL_FLAGS present) from /proc/cpuinfo."""
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
