@@ -425,14 +425,17 @@ def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(wo
     assert measured.calibration(table) == ({}, "not calibrated: no comparison of this baseline "
                                             "yet")
 
-    def uniform(fmt: str, measured: float) -> Row:
+    def uniform(fmt: str, measured: float, predicted_then: bool = True) -> Row:
         predicted = table.uniform(fmt)[1]
         return Row(name=fmt, recipe=fmt, scheme="S", format="f", precision=fmt, weight_bytes=1,
                    weight_ratio=0.5, divergence={"kl_div_mean": measured * predicted},
-                   search=Prediction(predicted_kl=predicted, basis="every unit at " + fmt))
+                   search=Prediction(predicted_kl=predicted, basis="every unit at " + fmt)
+                   if predicted_then else None)
 
+    # a comparison made before the scan holds no prediction: the table's own is used
     Comparison(baseline="toy", workload="", load_point=None, plan_target=PlanTarget(),
-               recommendation=None, reason="", rows=[uniform("int4", 1.5), uniform("int8", 20)],
+               recommendation=None, reason="",
+               rows=[uniform("int4", 1.5, predicted_then=False), uniform("int8", 20)],
                meta={"created": "2026-12-02"}).write(
         Comparison.directory("toy") / Comparison.FILE)
     factors, how = measured.calibration(table)

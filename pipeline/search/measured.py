@@ -61,8 +61,12 @@ def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
         return {}, "not calibrated: no comparison of this baseline yet"
     factors = {}
     for row in comparison.rows:
-        if row.name in table.formats and row.name != KEEP and row.search is not None:
-            found = row.search.ratio(row.divergence.get("kl_div_mean"))
+        if row.name in table.formats and row.name != KEEP:
+            # the table's own prediction: the comparison may predate the table (a scan run
+            # after `make all`), and then holds no prediction for its uniform variants
+            _, predicted = table.uniform(row.name)
+            found = Prediction(predicted_kl=predicted, basis="uniform").ratio(
+                row.divergence.get("kl_div_mean"))
             if found is not None:
                 factors[row.name] = round(found, 4)
     if not factors:
