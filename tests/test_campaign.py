@@ -145,6 +145,8 @@ def test_quantize_progress_names_the_modifier_whose_pass_it_counts(tmp_path: Pat
     job.log.write_text(smooth + "Inferred `SequentialPipeline` for `GPTQModifier`\n"
                        "(1/31): Calibrating: 100%\n(2/31): Calibrating:  10%\n")
     assert progress(job) == "GPTQ layer 2/31"
+    job.log.write_text("[quantize] waiting for int8: another process is making it\n")
+    assert progress(job) == "waiting for int8"
 
 
 class _Stages:

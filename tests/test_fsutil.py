@@ -47,9 +47,36 @@ def test_unwritable_location_is_named(tmp_path: Path) -> None:
 
 def test_stale_temp_dirs_of_killed_runs_are_removed(tmp_path: Path) -> None:
     (tmp_path / ".tmp-int4-abc").mkdir()
+    (tmp_path / ".tmp-old-int4-12").mkdir()
+    (tmp_path / ".tmp-int8-def").mkdir()  # another variant's, being written now: kept
     (tmp_path / "int4").mkdir()
-    assert [p.name for p in remove_stale_temp_dirs(tmp_path)] == [".tmp-int4-abc"]
-    assert [p.name for p in tmp_path.iterdir()] == ["int4"]
+    assert sorted(p.name for p in remove_stale_temp_dirs(tmp_path / "int4")) == [
+        ".tmp-int4-abc", ".tmp-old-int4-12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-int8-def", "int4"]
+
+
+def test_one_process_at_a_time_makes_a_target(tmp_path: Path) -> None:
+    """A second holder waits until the first is done (then finds its work made)."""
+    import threading
+    import time
+
+    from pipeline.core.fsutil import exclusive
+
+    order = []
+
+    def second() -> None:
+        with exclusive(tmp_path / "int8", waiting="waiting"):
+            order.append("second")
+
+    with exclusive(tmp_path / "int8"):
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.3)
+        order.append("first done")
+    thread.join(timeout=10)
+    assert order == ["first done", "second"]
+    with exclusive(tmp_path / "int4"):  # another target's lock is another lock
+        pass
 
 
 def test_a_library_error_for_a_full_disk_becomes_the_same_clear_error(tmp_path: Path) -> None:

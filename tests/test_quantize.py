@@ -86,14 +86,42 @@ def test_every_recipe_quantizes_reloads_and_generates(
     generated = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == ids.shape[1] + 5
 
-    (run,) = _mlflow_runs(workspace, base.name)
-    assert run.data.params[tracking.PARAM_RECIPE] == name
+    (run,) = [r for r in _mlflow_runs(workspace, base.name)
+              if r.data.params[tracking.PARAM_RECIPE] == name]
     assert run.data.params[tracking.PARAM_BASELINE] == base.name
     assert run.data.params[tracking.PARAM_SCHEME]
     for metric in (tracking.CHECKPOINT_BYTES, tracking.WEIGHT_BYTES, tracking.COMPRESSION_RATIO,
                    tracking.QUANTIZE_SECONDS, tracking.PEAK_RSS_BYTES):
         assert run.data.metrics[metric] > 0
     assert run.data.metrics[tracking.WEIGHT_BYTES] == manifest.weight_bytes
+
+
+def test_a_kv_cache_recipe_keeps_the_weights_of_the_recipe_it_starts_from(
+        tiny_model: Path, workspace: Path) -> None:
+    """int8-fp8kv is int8's checkpoint, tensor for tensor, plus one calibrated FP8 scale for
+    each layer's keys and values; int8 is made first (or reused), and a change to int8's
+    recipe makes int8-fp8kv's inputs change too."""
+    from safetensors.torch import load_file
+
+    base = baselines.resolve(str(tiny_model))
+    manifest = quantize.quantize(base, _quick("int8-fp8kv"))
+    assert Manifest.load(base.name, "int8") is not None  # made on the way
+    int8 = load_file(paths.variant_dir(base.name, "int8") / "model.safetensors")
+    kv = load_file(paths.variant_dir(base.name, "int8-fp8kv") / "model.safetensors")
+    assert kv.keys() - int8.keys() == {f"model.layers.{i}.self_attn.{s}_scale"
+                                       for i in range(2) for s in "kv"}
+    assert all(kv[k].dtype == t.dtype and kv[k].equal(t) for k, t in int8.items())
+    assert all(kv[k].item() > 0 for k in kv.keys() - int8.keys())
+    config = json.loads((paths.variant_dir(base.name, "int8-fp8kv") / "config.json").read_text())
+    int8_config = json.loads((paths.variant_dir(base.name, "int8") / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"] == \
+        int8_config["quantization_config"]["config_groups"]
+    assert manifest.recipe.scheme == Manifest.load(base.name, "int8").recipe.scheme
+    assert manifest.kv_dtype == "fp8"
+
+    fewer = _quick("int8-fp8kv").with_calibration(num_samples=4)  # reaches int8 too
+    assert fewer.start.calibration.num_samples == 4
+    assert quantize.cache_key(base, fewer) != manifest.cache_key
 
 
 def test_unchanged_inputs_do_no_work_and_force_redoes(tiny_model: Path, workspace: Path) -> None:

@@ -94,3 +94,31 @@ def test_unknown_modifier_is_rejected_with_the_file(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as err:
         recipes.instantiate(recipes.load(str(path)))
     assert str(path) in str(err.value) and "QuantiseModifier" in str(err.value)
+
+
+def test_a_recipe_that_starts_from_another_may_only_add_a_kv_cache_scheme(
+        tmp_path: Path) -> None:
+    kv = recipes.load("int8-fp8kv")
+    assert kv.start is not None and kv.start.name == "int8"
+    assert recipes.kv_cache_scheme(kv.stages)["type"] == "float"
+    text = (paths.RECIPES_DIR / "int8-fp8kv.yaml").read_text()
+    int8 = (paths.RECIPES_DIR / "int8.yaml").read_text()
+    cases = {  # what is wrong -> what the error says
+        text.replace("start_from: int8", "start_from: int9"): "'int9'",
+        text.replace("      kv_cache_scheme:", "      scheme: W8A8\n      kv_cache_scheme:"):
+            "with scheme",
+        text.replace("QuantizationModifier:", "GPTQModifier:"): "found GPTQModifier",
+        text.replace("start_from: int8", "start_from: custom"): "one step of start_from",
+    }
+    for bad, said in cases.items():
+        path = write(tmp_path, bad)
+        with pytest.raises(RecipeError) as err:
+            recipes.load(str(path))
+        assert str(path) in str(err.value) and said in str(err.value)
+    # a start that quantizes the KV cache itself, beside the recipe
+    write(tmp_path, int8.replace("      dampening_frac: 0.01",
+                                 "      dampening_frac: 0.01\n      kv_cache_scheme: {num_bits: "
+                                 "8, type: float, strategy: tensor, dynamic: false}"),
+          name="int8.yaml")
+    with pytest.raises(RecipeError, match="already quantizes the KV cache"):
+        recipes.load(str(write(tmp_path, text)))

@@ -118,6 +118,9 @@ def slots(base: baselines.Baseline, target: str, wanted: int | None = None) -> i
 def progress(job: jobs.Job) -> str:
     """E.g. "GPTQ layer 12/31": SmoothQuant + GPTQ walks the layers once per modifier."""
     text = job.tail(1 << 24)
+    last = text.rstrip().rpartition("\n")[2]
+    if last.startswith("[quantize] waiting for "):  # for the recipe it starts from
+        return last.removeprefix("[quantize] ").partition(":")[0]
     passes = list(_PASS.finditer(text))
     found = _LAYER.findall(text[passes[-1].end():] if passes else text)
     if not found:

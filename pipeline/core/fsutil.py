@@ -82,14 +82,41 @@ def atomic_dir(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def remove_stale_temp_dirs(parent: Path) -> list[Path]:
-    """Remove temp dirs that a killed run (SIGKILL, power loss) left in ``parent``."""
+def remove_stale_temp_dirs(target: Path) -> list[Path]:
+    """Remove the temp dirs that a killed run (SIGKILL, power loss) left for ``target`` (only
+    its own: another target beside it may be being written now)."""
     removed = []
-    if parent.is_dir():
-        for p in parent.glob(f"{TEMP_PREFIX}*"):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+    if target.parent.is_dir():
+        for pattern in (f"{TEMP_PREFIX}{target.name}-*", f"{TEMP_PREFIX}old-{target.name}-*"):
+            for p in target.parent.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
     return removed
+
+
+@contextlib.contextmanager
+def exclusive(target: Path, waiting: str = "") -> Iterator[None]:
+    """Hold ``target``'s lock file (beside it) while the block runs: one process at a time
+    makes ``target``; another waits (saying ``waiting`` once), then finds it made."""
+    import fcntl
+
+    lock = target.with_name(f".{target.name}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock.open("a")
+    except OSError as err:
+        raise output_error(lock.parent, err) from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def read_json(path: Path) -> dict:

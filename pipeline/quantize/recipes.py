@@ -22,7 +22,7 @@ from pipeline.core.settings import StageSettings
 
 QPIPE_KEY = "qpipe"
 CALIBRATION_KEYS = {"dataset", "num_samples", "max_seq_length", "seed"}
-QPIPE_KEYS = {"description", "calibration", "recovery_threshold_pct",
+QPIPE_KEYS = {"description", "calibration", "recovery_threshold_pct", "start_from",
               "search"}  # search: how a searched recipe was chosen (informational)
 
 
@@ -50,6 +50,8 @@ class RecipeFile:
     stages: dict[str, Any]  # the llmcompressor part, as parsed
     search: dict[str, Any] = dataclasses.field(default_factory=dict)  # qpipe.search: how a
     # searched recipe was chosen (empty for any other)
+    start: RecipeFile | None = None  # qpipe.start_from: the recipe whose checkpoint this one
+    # adds a KV-cache scheme to, its weights unchanged (None: quantize the baseline)
 
     @property
     def searched_for(self) -> str | None:
@@ -59,10 +61,11 @@ class RecipeFile:
     def with_calibration(self, **overrides: Any) -> RecipeFile:
         """A copy with calibration fields overridden (CLI / Makefile); data-free stays data-free."""
         overrides = {k: v for k, v in overrides.items() if v is not None}
+        start = self.start.with_calibration(**overrides) if self.start else None
         if self.calibration is None or not overrides:
-            return self
+            return dataclasses.replace(self, start=start)
         return dataclasses.replace(
-            self, calibration=dataclasses.replace(self.calibration, **overrides)
+            self, calibration=dataclasses.replace(self.calibration, **overrides), start=start
         )
 
 
@@ -83,8 +86,10 @@ def find(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> Path:
     )
 
 
-def load(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> RecipeFile:
-    """Read and validate a recipe without importing llmcompressor."""
+def load(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR, *,
+         as_start: bool = False) -> RecipeFile:
+    """Read and validate a recipe without importing llmcompressor (``as_start``: as another
+    recipe's ``start_from``, which must quantize the baseline itself)."""
     path = find(name_or_path, recipes_dir)
     text = path.read_text()
     try:
@@ -103,6 +108,9 @@ def load(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> RecipeFile
                           "See recipes/int4.yaml for the form (quantize_stage -> *_modifiers).")
     settings = data.get(QPIPE_KEY) or {}
     _check_keys(path, text, settings, QPIPE_KEYS, QPIPE_KEY)
+    if as_start and settings.get("start_from") is not None:
+        raise RecipeError(f"{path} starts from a recipe itself: name a recipe that quantizes "
+                          "the baseline (one step of start_from, not a chain).")
     _check_schemes(path, text, stages)
     threshold = settings.get("recovery_threshold_pct")
     if threshold is not None and not isinstance(threshold, (int, float)):
@@ -118,7 +126,44 @@ def load(name_or_path: str, recipes_dir: Path = paths.RECIPES_DIR) -> RecipeFile
         recovery_threshold_pct=float(threshold) if threshold is not None else None,
         stages=stages,
         search=dict(settings.get("search") or {}),
+        start=_start(path, text, settings.get("start_from"), stages, recipes_dir),
     )
+
+
+def kv_cache_scheme(stages: dict[str, Any]) -> Any:
+    """The recipe's ``kv_cache_scheme`` (None if it quantizes no KV cache)."""
+    return next((args["kv_cache_scheme"] for _, args in modifiers(stages)
+                 if args.get("kv_cache_scheme")), None)
+
+
+def _start(path: Path, text: str, name: Any, stages: dict[str, Any],
+           recipes_dir: Path) -> RecipeFile | None:
+    """The recipe ``start_from`` names, checked: this recipe only adds a KV-cache scheme to its
+    checkpoint (the weights stay as that recipe made them), and it starts from the baseline."""
+    if name is None:
+        return None
+    where = _where(path, text, "start_from")
+    if not isinstance(name, str) or not name:
+        raise RecipeError(f"{where}: start_from names a recipe (e.g. int8), got {name!r}.")
+    found = modifiers(stages)
+    extra = sorted({key for _, args in found for key in args} - {"kv_cache_scheme"})
+    if [kind for kind, _ in found] != ["QuantizationModifier"] or extra or \
+            not kv_cache_scheme(stages):
+        raise RecipeError(
+            f"{where}: a recipe that starts from {name}'s checkpoint adds a KV-cache scheme to "
+            "it and changes no weight: its stages hold one QuantizationModifier with only "
+            f"kv_cache_scheme (found {', '.join(k for k, _ in found) or 'none'}"
+            f"{'; with ' + ', '.join(extra) if extra else ''}). Put weight quantization in "
+            f"the recipe it starts from, or drop start_from (see recipes/int8-fp8kv.yaml).")
+    local = path.parent / f"{name}.yaml"
+    try:
+        start = load(str(local) if local.is_file() else name, recipes_dir, as_start=True)
+    except RecipeError as err:
+        raise RecipeError(f"{where}: start_from: {err}") from None
+    if kv_cache_scheme(start.stages):
+        raise RecipeError(f"{where}: {start.path} already quantizes the KV cache; start from a "
+                          "recipe that does not.")
+    return start
 
 
 def modifiers(stages: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -7,6 +7,7 @@ recipe text, calibration data and settings, library versions): unchanged inputs,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,6 +16,7 @@ import platform
 import resource
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,13 @@ from pipeline.core import hardware, interrupts, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
-from pipeline.core.fsutil import atomic_dir, check_free_space, remove_stale_temp_dirs
+from pipeline.core.fsutil import (
+    atomic_dir,
+    check_free_space,
+    exclusive,
+    read_json,
+    remove_stale_temp_dirs,
+)
 from pipeline.core.provenance import content_key, library_versions
 from pipeline.quantize import baseline as baselines
 from pipeline.quantize import checkpoint, recipes
@@ -48,6 +56,8 @@ def cache_key(base: baselines.Baseline, recipe: recipes.RecipeFile) -> str:
         calib["dataset"] = hashlib.sha256(Path(calib["dataset"]).read_bytes()).hexdigest()
     payload = {"baseline": base.identity, "recipe": recipe.sha256, "calibration": calib,
                "libraries": library_versions(), "method": METHOD}
+    if recipe.start is not None:  # its checkpoint is this one's weights
+        payload["start"] = cache_key(base, recipe.start)
     return content_key(payload)
 
 
@@ -108,6 +118,15 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
             f"{recipe.searched_for}; {base.name} is {base.identity}): it names that model's "
             f"layers. Fix: `make search BASELINE={base.source}` searches for this one.")
     target = paths.variant_dir(base.name, recipe.name)
+    # one process at a time makes a variant: a recipe that starts from another waits for it
+    # while a campaign's other job makes it, then reuses it
+    with exclusive(target, waiting=f"[quantize] waiting for {recipe.name}: another process is "
+                   "making it"):
+        return _quantize(base, recipe, target, force)
+
+
+def _quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, target: Path, force: bool
+              ) -> Manifest:
     key = cache_key(base, recipe)
     manifest = Manifest.load(base.name, recipe.name)
     if is_current(manifest, key) and not force:
@@ -118,14 +137,20 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
                  "redoes it).")
         _track(base, recipe, manifest, target)
         return manifest
-    remove_stale_temp_dirs(target.parent)
+    start = quantize(base, recipe.start) if recipe.start is not None else None
+    remove_stale_temp_dirs(target)
     base_size = checkpoint.measure(base.path)
     check_free_space(target.parent, int(base_size.checkpoint_bytes * 1.2), "this variant")
 
     log.info(f"{base.name} with recipe {recipe.name} ({recipe.description})")
     started = time.monotonic()
     with atomic_dir(target) as tmp:
-        scheme, work_dtype = _run_oneshot(base, recipe, tmp)
+        if start is None:
+            scheme, work_dtype = _run_oneshot(base, recipe, tmp)
+        else:
+            start_dir = paths.variant_dir(base.name, start.recipe.name)
+            work_dtype = _add_kv_cache(base, recipe, start_dir, tmp)
+            scheme = start.recipe.scheme  # the weights' (the KV cache: the manifest's kv_dtype)
         seconds = time.monotonic() - started
         shutil.copyfile(recipe.path, tmp / "qpipe_recipe.yaml")
         size = checkpoint.measure(tmp, base.path)
@@ -193,36 +218,113 @@ def _work_dtype(base: baselines.Baseline) -> Any:
 def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
                  ) -> tuple[str, str]:
     """Quantize into ``out``; returns (scheme label, the dtype the model was calibrated in)."""
-    import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pipeline.quantize import calibration
 
     llm_recipe = recipes.instantiate(recipe)
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     work_dtype = _work_dtype(base)
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=work_dtype)
     check_group_sizes(model, llm_recipe, recipe.path)
+    with _llmcompressor_errors(base, recipe), _one_thread():
+        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path),
+                **_data_args(recipe, tokenizer))
+        _save(model, tokenizer, out)
+    return scheme_label(llm_recipe), str(work_dtype).removeprefix("torch.")
+
+
+def _add_kv_cache(base: baselines.Baseline, recipe: recipes.RecipeFile, start: Path,
+                  out: Path) -> str:
+    """``start``'s checkpoint, its files unchanged, plus the KV-cache scales llmcompressor
+    calibrates on it (loaded de-compressed) and the scheme they follow, into ``out``; returns
+    the calibration dtype. llmcompressor's save of the de-compressed model keeps no weight
+    scheme (it writes bf16 weights): only the scales and the ``kv_cache_scheme`` of that save
+    are taken."""
+    from llmcompressor import oneshot
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+    recipes.instantiate(recipe)  # its validation errors name the file
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    work_dtype = _work_dtype(base)
+    model = AutoModelForCausalLM.from_pretrained(
+        start, dtype=work_dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+    scratch = out / ".kv-calibration"  # inside the temp dir: gone with it on any failure
+    with _llmcompressor_errors(base, recipe), _one_thread():
+        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path),
+                **_data_args(recipe, tokenizer))
+        _save(model, tokenizer, scratch)
+    scheme = read_json(scratch / "config.json").get("quantization_config", {}).get(
+        "kv_cache_scheme")
+    scales = {name: tensor for name, tensor in load_file(scratch / "model.safetensors").items()
+              if name.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+    shutil.rmtree(scratch)
+    if not scales or not scheme:
+        raise QuantizeError(f"llmcompressor calibrated no KV-cache scale with {recipe.path} on "
+                            f"{start}: check its kv_cache_scheme (recipes/int8-fp8kv.yaml).")
+    for item in start.iterdir():
+        if item.is_file() and item.name not in (Manifest.FILE, "qpipe_recipe.yaml"):
+            shutil.copyfile(item, out / item.name)
+    index = out / "model.safetensors.index.json"
+    if index.exists():  # sharded: the scales in a shard of their own
+        save_file(scales, out / "kv_cache_scales.safetensors", metadata={"format": "pt"})
+        listing = read_json(index)
+        listing["weight_map"].update(dict.fromkeys(scales, "kv_cache_scales.safetensors"))
+        index.write_text(json.dumps(listing, indent=2))
+    else:
+        save_file({**load_file(out / "model.safetensors"), **scales},
+                  out / "model.safetensors", metadata={"format": "pt"})
+    config = read_json(out / "config.json")
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(work_dtype).removeprefix("torch.")
+
+
+def _data_args(recipe: recipes.RecipeFile, tokenizer: Any) -> dict[str, Any]:
+    """oneshot's calibration arguments for ``recipe`` (none for a data-free one)."""
+    from pipeline.quantize import calibration
+
     calib = recipe.calibration
-    data_args: dict[str, Any] = {}
-    if calib is not None:
-        data = calibration.load(calib, tokenizer)
-        log.info(f"calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
-                 f"from {calib.dataset}")
-        data_args = {"dataset": data, "num_calibration_samples": len(data),
-                     "max_seq_length": calib.max_seq_length,
-                     "shuffle_calibration_samples": False}
+    if calib is None:
+        return {}
+    data = calibration.load(calib, tokenizer)
+    log.info(f"calibration: {len(data)} samples of up to {calib.max_seq_length} tokens "
+             f"from {calib.dataset}")
+    return {"dataset": data, "num_calibration_samples": len(data),
+            "max_seq_length": calib.max_seq_length, "shuffle_calibration_samples": False}
+
+
+def _save(model: Any, tokenizer: Any, out: Path) -> None:
+    """llmcompressor's compressing save, in bf16 whatever the calibration dtype."""
+    import torch
+
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(str(out), save_compressed=True)
+    tokenizer.save_pretrained(str(out))
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One torch thread on a CPU while llmcompressor calibrates (see METHOD)."""
+    import torch
+
     threads = torch.get_num_threads()
     if hardware.torch_device() == "cpu":
         torch.set_num_threads(1)
     try:
-        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), **data_args)
-        model.to(torch.bfloat16)  # the checkpoint is bf16 whatever the calibration dtype
-        model.config.dtype = torch.bfloat16
-        model.save_pretrained(str(out), save_compressed=True)  # llmcompressor's compressing save
-        tokenizer.save_pretrained(str(out))
-    except (KeyboardInterrupt, RecipeError):
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _llmcompressor_errors(base: baselines.Baseline, recipe: recipes.RecipeFile
+                          ) -> Iterator[None]:
+    """A library failure as a QuantizeError naming the recipe and the model."""
+    try:
+        yield
+    except (KeyboardInterrupt, RecipeError, QuantizeError):
         raise
     except Exception as err:
         interrupts.check()  # the interrupt surfaced as the library's own error: still one
@@ -231,9 +333,6 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. Check the recipe's "
             "scheme against the model (see recipes/*.yaml for working forms)."
         ) from err
-    finally:
-        torch.set_num_threads(threads)
-    return scheme_label(llm_recipe), str(work_dtype).removeprefix("torch.")
 
 
 def _track(base: baselines.Baseline, recipe: recipes.RecipeFile, manifest: Manifest,
