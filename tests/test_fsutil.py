@@ -65,17 +65,17 @@ def test_one_process_at_a_time_makes_a_target(tmp_path: Path) -> None:
     order = []
 
     def second() -> None:
-        with exclusive(tmp_path / "int8", waiting="waiting"):
+        with exclusive(tmp_path / "int8.lock", waiting="waiting"):
             order.append("second")
 
-    with exclusive(tmp_path / "int8"):
+    with exclusive(tmp_path / "int8.lock"):
         thread = threading.Thread(target=second)
         thread.start()
         time.sleep(0.3)
         order.append("first done")
     thread.join(timeout=10)
     assert order == ["first done", "second"]
-    with exclusive(tmp_path / "int4"):  # another target's lock is another lock
+    with exclusive(tmp_path / "int4.lock"):  # another lock file is another lock
         pass
 
 

@@ -95,12 +95,11 @@ def remove_stale_temp_dirs(target: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def exclusive(target: Path, waiting: str = "") -> Iterator[None]:
-    """Hold ``target``'s lock file (beside it) while the block runs: one process at a time
-    makes ``target``; another waits (saying ``waiting`` once), then finds it made."""
+def exclusive(lock: Path, waiting: str = "") -> Iterator[None]:
+    """Hold the lock file ``lock`` while the block runs: one process at a time makes what it
+    guards; another waits (saying ``waiting`` once), then finds it made."""
     import fcntl
 
-    lock = target.with_name(f".{target.name}.lock")
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         handle = lock.open("a")

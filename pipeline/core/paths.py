@@ -63,6 +63,12 @@ def variant_dir(baseline_name: str, recipe_name: str) -> Path:
     return variants_dir() / baseline_name / recipe_name
 
 
+def lock_file(kind: str, *names: str) -> Path:
+    """The lock file one process holds while it makes an artifact (kept apart from the
+    artifacts, so that a reader never sees one beside them)."""
+    return artifacts_dir() / "locks" / kind / ("-".join(names) + ".lock")
+
+
 def default_tracking_uri() -> str:
     """MLflow's store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<root>/mlflow.db``."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"

@@ -120,8 +120,8 @@ def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool =
     target = paths.variant_dir(base.name, recipe.name)
     # one process at a time makes a variant: a recipe that starts from another waits for it
     # while a campaign's other job makes it, then reuses it
-    with exclusive(target, waiting=f"[quantize] waiting for {recipe.name}: another process is "
-                   "making it"):
+    waiting = f"[quantize] waiting for {recipe.name}: another process is making it"
+    with exclusive(paths.lock_file("variants", base.name, recipe.name), waiting):
         return _quantize(base, recipe, target, force)
 
 
@@ -250,9 +250,14 @@ def _add_kv_cache(base: baselines.Baseline, recipe: recipes.RecipeFile, start: P
     model = AutoModelForCausalLM.from_pretrained(
         start, dtype=work_dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
     scratch = out / ".kv-calibration"  # inside the temp dir: gone with it on any failure
+    scratch.mkdir()
     with _llmcompressor_errors(base, recipe), _one_thread():
         oneshot(model=model, processor=tokenizer, recipe=str(recipe.path),
                 **_data_args(recipe, tokenizer))
+        # llmcompressor's save appends its recipe to the one beside the model it loaded, and
+        # cannot read back the SmoothQuant mappings it wrote there (python tuples): point it
+        # at the empty scratch dir (``start``'s recipe.yaml is copied below as it is)
+        model.name_or_path = model.config.name_or_path = str(scratch)
         _save(model, tokenizer, scratch)
     scheme = read_json(scratch / "config.json").get("quantization_config", {}).get(
         "kv_cache_scheme")
