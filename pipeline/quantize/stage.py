@@ -252,7 +252,9 @@ def _add_kv_cache(base: baselines.Baseline, recipe: recipes.RecipeFile, start: P
     scratch = out / ".kv-calibration"  # inside the temp dir: gone with it on any failure
     scratch.mkdir()
     with _llmcompressor_errors(base, recipe), _one_thread():
-        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path),
+        # the scales are observed, no weight changes: one forward pass a sample through the
+        # whole model (llmcompressor's basic pipeline), not its layer-by-layer sequential one
+        oneshot(model=model, processor=tokenizer, recipe=str(recipe.path), pipeline="basic",
                 **_data_args(recipe, tokenizer))
         # llmcompressor's save appends its recipe to the one beside the model it loaded, and
         # cannot read back the SmoothQuant mappings it wrote there (python tuples): point it
