@@ -158,3 +158,22 @@ def test_a_request_error_of_any_kind_is_described_in_words() -> None:
     for err, said in cases.items():
         assert isinstance(err, qhttp.REQUEST_ERRORS)
         assert said in qhttp.describe(err, 3), (err, qhttp.describe(err, 3))
+
+
+def test_a_probe_times_the_warm_request_and_abandons_one_that_does_not_answer(
+        serve_with: Any, tmp_path: Path) -> None:
+    """The speed probe bench runs on every server: seconds when answered, None when no
+    answer came in time (the too-slow rule's input), and a failure a ServeError naming it."""
+    server = serve_with({"faults": [
+        {"path": "/v1/completions", "agent": "qpipe", "nth": 3, "action": "stall",
+         "seconds": 30},
+        # the 4th: the stalled 3rd request was counted by the first fault only
+        {"path": "/v1/completions", "agent": "qpipe", "nth": 3, "action": "status"}]})
+    server.start()  # the warm-up: the first qpipe completion
+    took = server.probe(10)
+    assert took is not None and 0 < took < 10
+    assert server.probe(1) is None  # stalled: abandoned at the timeout
+    assert _applied(tmp_path) == ["stall"]
+    err = _fails(server, lambda: server.probe(10))
+    assert _applied(tmp_path) == ["stall", "status"]
+    assert "the speed probe" in str(err) and "HTTP 500" in str(err), err

@@ -34,16 +34,29 @@ from pipeline.serve import (
     EngineSettings,
     ServeError,
     ServerPool,
+    TooSlow,
     UnsupportedFormat,
     VllmServer,
     engine_metrics,
     known_refusal,
     remember_refusal,
 )
-from pipeline.serve.server import describe_command, server_environment, stop_servers
+from pipeline.serve.failure import TOO_SLOW
+from pipeline.serve.server import (
+    WARMUP_TOKENS,
+    describe_command,
+    server_environment,
+    stop_servers,
+)
 
 log = qlog.get("bench")
 HIT_TOLERANCE = 0.02  # hit rate above what the shared prefix allows (or above 0 in a sweep)
+# A variant whose warm request takes this many times the baseline's is not benchmarked. On a
+# 2-core Xeon with AMX, vLLM CPU 0.32 served FP8 W8A8 through torch's per-tensor scaled-mm at
+# ~0.05 output tok/s (50x slower than that op's row-wise form there): one chat run had not
+# ended after 17 min. FP8 on a 2-core AVX-512 EPYC (0.09-0.15x the baseline) passes it.
+SLOW_FACTOR = 50.0
+PROBE_FLOOR_S = 5.0  # the shortest wait for a variant's probe (a baseline's takes ~0.1 s)
 
 
 @dataclass
@@ -328,6 +341,8 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
                             record_engine(records[name], server, run_settings)
                         except ServeError as err:
                             _drop(live, name, records, err, pool)
+                if not caching:
+                    drop_too_slow(live, records, pool)
                 for i, step in enumerate(steps, start=1):
                     _run_step(client, live, records, step, out, pool, f"{i}/{len(steps)}",
                               list(live))
@@ -336,6 +351,48 @@ def measure(groups: list[list[Variant]], steps: list[Step], records: dict[str, M
                 for workload in searches:
                     search_capacity(client, live, records, workload, out / "runs", pool,
                                     derived)
+
+
+def drop_too_slow(live: dict[str, VllmServer], records: dict[str, ModelRecord],
+                  pool: ServerPool | None) -> None:
+    """Time the warm-up request once more on every server, now that all are up (the
+    baseline's twice, the faster kept), and drop each variant over :data:`SLOW_FACTOR` times
+    the baseline's as :class:`TooSlow`: it is remembered like a missing kernel, so eval scores
+    it emulated and the report says "too slow here", instead of a sweep that runs for hours.
+    A variant's probe is abandoned at that bound (at least :data:`PROBE_FLOOR_S`)."""
+    if BASELINE not in live or len(live) < 2:
+        return
+    server = live[BASELINE]
+    try:
+        timings = [server.probe(server.warmup_timeout) for _ in range(2)]
+    except ServeError as err:
+        _drop(live, BASELINE, records, err, pool)
+        return
+    if None in timings:  # the baseline itself barely answers: its runs will say so
+        return
+    base = min(t for t in timings if t is not None)
+    bound = SLOW_FACTOR * base
+    for name in [n for n in live if n != BASELINE]:
+        try:
+            took = live[name].probe(max(PROBE_FLOOR_S, bound))
+        except ServeError as err:
+            _drop(live, name, records, err, pool)
+            continue
+        if took is not None and took <= bound:
+            continue
+        waited = max(PROBE_FLOOR_S, bound)
+        how = (f"took {took:.1f} s" if took is not None else
+               f"gave no answer within {waited:.1f} s (abandoned)")
+        ratio = (took if took is not None else waited) / base
+        kernels = ", ".join(records[name].engine.get("kernels") or []) or "kernels not logged"
+        _drop(live, name, records, TooSlow(
+            f"{name}: one warm request of {WARMUP_TOKENS} tokens {how}, the baseline's "
+            f"{base:.2f} s: not benchmarked", reason=(
+                f"{TOO_SLOW}: vLLM serves it ({kernels}), but one warm request of "
+                f"{WARMUP_TOKENS} tokens {how} against the baseline's {base:.2f} s, "
+                f"{'over ' if took is None else ''}{ratio:,.0f}x slower (the limit is "
+                f"{SLOW_FACTOR:g}x): a sweep would take hours, so it is not benchmarked "
+                "(FORCE=1 probes it again)")), pool)
 
 
 def _run_step(client: BenchClient, live: dict[str, VllmServer], records: dict[str, ModelRecord],

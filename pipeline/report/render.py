@@ -20,6 +20,7 @@ from pipeline.plan import capacity
 from pipeline.report.cost import USD_PER_MTOK, price_basis, price_text, range_text
 from pipeline.report.plots import PLOTS
 from pipeline.report.recommend import OBJECTIVE_TEXT
+from pipeline.serve import is_too_slow
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -51,7 +52,7 @@ def _suite_cell(row: Row, suite: str) -> str:
 
 def _speed_cell(row: Row) -> str:
     if row.serving == "unsupported":
-        return "unsupported here"
+        return "too slow here" if is_too_slow(row.serving_reason) else "unsupported here"
     if row.serving == "failed":
         return "FAILED (see notes)"
     if row.name == BASELINE:
@@ -270,8 +271,9 @@ def _notes(comparison: Comparison) -> list[str]:
                    "; the other variants were measured without it, and it cannot be recommended")
     for row in comparison.rows:
         if row.serving == "unsupported":
-            out.append(f"{row.name}: vLLM cannot serve {row.format} on this hardware: "
-                       f"{row.serving_reason}")
+            out.append(f"{row.name}: vLLM cannot serve {row.format} "
+                       f"{'at a measurable speed ' if is_too_slow(row.serving_reason) else ''}"
+                       f"on this hardware: {row.serving_reason}")
         if row.eval_backend == EMULATED:
             out.append(f"{row.name}: accuracy from the emulated path (lm-eval hf backend on "
                        "de-compressed weights), not from a serving engine")

@@ -54,6 +54,20 @@ class UnsupportedFormat(ServeError):
     """The engine cannot serve this checkpoint's format on this hardware."""
 
 
+# How a too-slow refusal's reason begins (the report shows such a format as "too slow here").
+TOO_SLOW = "too slow to measure here"
+
+
+class TooSlow(UnsupportedFormat):
+    """The engine serves the format here, but through a path so slow that measuring it would
+    take hours: a hardware limit like a missing kernel, reported and remembered as one."""
+
+
+def is_too_slow(reason: str) -> bool:
+    """Whether a refusal's reason is a :class:`TooSlow` one."""
+    return reason.startswith(TOO_SLOW)
+
+
 def failure_reason(log_text: str) -> tuple[str, bool]:
     """The most telling error line of a failed engine, and whether it means 'unsupported'."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]

@@ -25,9 +25,10 @@ USER_AGENT = "qpipe"  # a server's log (and a fault-injecting proxy) tells qpipe
 class RequestFailed(Exception):
     """No complete, successful answer; ``detail`` says how (``status`` for an error status)."""
 
-    def __init__(self, detail: str, status: int | None = None) -> None:
+    def __init__(self, detail: str, status: int | None = None, timed_out: bool = False
+                 ) -> None:
         super().__init__(detail)
-        self.detail, self.status = detail, status
+        self.detail, self.status, self.timed_out = detail, status, timed_out
 
 
 def request(url: str, timeout: float, body: dict[str, Any] | None = None,
@@ -44,7 +45,8 @@ def request(url: str, timeout: float, body: dict[str, Any] | None = None,
     except REQUEST_ERRORS as err:
         raise RequestFailed(describe(err, timeout),
                             getattr(err, "code", None) if isinstance(
-                                err, urllib.error.HTTPError) else None) from None
+                                err, urllib.error.HTTPError) else None,
+                            timed_out=_timed_out(err)) from None
     if not answer and not allow_empty:
         raise RequestFailed("an empty answer (the connection closed before a body)")
     return answer
@@ -57,6 +59,12 @@ def request_json(url: str, timeout: float, body: dict[str, Any] | None = None) -
         return json.loads(answer)
     except ValueError:
         raise RequestFailed(f"the answer is not JSON ({answer[:120]!r})") from None
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether no answer came in time (urllib wraps a connect timeout in a URLError)."""
+    reason = getattr(err, "reason", None) if isinstance(err, urllib.error.URLError) else None
+    return isinstance(err, TimeoutError) or isinstance(reason, TimeoutError)
 
 
 def describe(err: BaseException, timeout: float) -> str:

@@ -39,6 +39,7 @@ WARMUP_TOKENS = 4
 # The phases a server can fail in, as errors name them (bench and eval name theirs).
 START_UP = "start-up (loading the model, before /health answered)"
 WARM_UP = "the warm-up request (after /health answered)"
+PROBE = "the speed probe (the warm-up request, timed)"
 
 
 PORT_TAKEN = "Address already in use"
@@ -237,13 +238,15 @@ class VllmServer:
                          reason=f"/health did not answer within {self.startup_timeout:.0f} s of "
                                 "start-up; it was stopped (its log says where it stopped)")
 
+    def _warmup_body(self) -> dict[str, object]:
+        return {"model": self.served_name, "prompt": WARMUP_PROMPT,
+                "max_tokens": WARMUP_TOKENS, "temperature": 0, "ignore_eos": True}
+
     def _warm_up(self) -> None:
         assert self.proc is not None
-        body = {"model": self.served_name, "prompt": WARMUP_PROMPT,
-                "max_tokens": WARMUP_TOKENS, "temperature": 0, "ignore_eos": True}
         try:
             answer = http.request_json(f"{self.base_url}/v1/completions", self.warmup_timeout,
-                                       body)
+                                       self._warmup_body())
             tokens = answer.get("usage", {}).get("completion_tokens", 0) \
                 if isinstance(answer, dict) else 0
             if tokens >= 1:
@@ -260,6 +263,19 @@ class VllmServer:
         if unsupported or self.proc.poll() is not None:
             raise self._fail(WARM_UP)
         raise self.lost(WARM_UP, problem)
+
+    def probe(self, timeout: float, phase: str = PROBE) -> float | None:
+        """Seconds the warm-up request takes now (the server warm), or None when it gave no
+        answer within ``timeout`` (the request is abandoned: vLLM aborts it when the
+        connection closes). Any other failure is a :class:`ServeError` naming ``phase``."""
+        started = time.monotonic()
+        try:
+            http.request_json(f"{self.base_url}/v1/completions", timeout, self._warmup_body())
+        except http.RequestFailed as err:
+            if err.timed_out:
+                return None
+            raise self.lost(phase, err.detail) from None
+        return time.monotonic() - started
 
     def _port_taken(self) -> bool:
         """Whether vLLM's API server could not bind its port (its process stays up)."""
