@@ -321,6 +321,10 @@ def test_an_out_of_memory_crash_is_not_recorded_as_unsupported(tmp_path: Path, f
      "89. Current capability: 80.", True),
     ("ValueError: fp8 quantization is currently not supported in cpu.", True),
     ("ValueError: No compressed-tensors compatible scheme was found for layer_name='x'", True),
+    # oneDNN without the op for FP8 on AVX2 (torch._scaled_mm; a Xeon, VLLM_CPU_ISA=avx2)
+    ("RuntimeError: could not create a primitive descriptor for the matmul primitive. Run "
+     "workload with environment variable ONEDNN_VERBOSE=all to get additional diagnostic "
+     "information.", True),
     # GPU-only crashes (compile, CUDA graphs, a missing CUDA op): failures, not hardware facts
     ("RuntimeError: CUDA error: operation not supported when stream is capturing", False),
     ("torch._dynamo.exc.Unsupported: call_function BuiltinVariable(setattr) is not supported",
@@ -344,6 +348,13 @@ def test_failure_reason_ignores_warnings_and_prefers_a_resource_failure() -> Non
     reason, unsupported = failure_reason("WARNING [x.py:1] is not supported\n"
                                          "ERROR [core.py:1] ValueError: bad max_model_len\n")
     assert not unsupported and reason == "ValueError: bad max_model_len"
+    # a warning that quotes an exception vLLM recovered from is not the root cause
+    reason, unsupported = failure_reason(
+        "(EngineCore pid=7) WARNING 12-04 03:06:13 [utils.py:597] Failed to create oneDNN "
+        "linear, fallback to torch linear. Exception: could not create a primitive "
+        "descriptor for the matmul primitive.\n"
+        "(EngineCore pid=7) ERROR 12-04 03:06:36 [core.py:1512] RuntimeError: shape mismatch\n")
+    assert not unsupported and reason == "RuntimeError: shape mismatch"
 
 
 def test_metrics_of_a_killed_server_is_a_serve_error_naming_it(

@@ -34,12 +34,19 @@ UNSUPPORTED_PATTERNS = (
     r"quantization is currently not supported in \w+",
     # the CPU attention backend (v1/attention/backends/cpu_attn.py)
     r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX",
+    # oneDNN (under torch's CPU ops) has no implementation of the op for these dtypes on this
+    # CPU's ISA: FP8 W8A8's torch._scaled_mm on a Xeon with oneDNN held to AVX2 (vLLM itself
+    # falls back from this error where it has another path: "Failed to create oneDNN linear")
+    r"could not create a primitive descriptor for the \w+ primitive",
 )
 # Fatal errors about resources, never a format: an out-of-memory crash is not "unsupported",
 # whatever the log said before it.
 RESOURCE_PATTERNS = (r"out of memory", r"OutOfMemory", r"Cannot allocate memory",
                      r"No space left")
 _ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception)\b:|\bERROR\b")
+# a line vLLM logged below ERROR: never why it died, whatever exception it quotes ("WARNING
+# ... Failed to create oneDNN linear, fallback to torch linear. Exception: ...")
+_NOT_FATAL = re.compile(r"^(?:\(.*?\)\s*)?(?:WARNING|INFO|DEBUG)\b")
 
 
 class ServeError(QpipeError):
@@ -73,7 +80,7 @@ def failure_reason(log_text: str) -> tuple[str, bool]:
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
     # an error line, not a traceback's frame or source line (vLLM's workers log those at
     # ERROR level too: "ERROR ... [multiproc_executor.py:1063]     raise NotImplementedError(")
-    fatal = [ln for ln in lines if _ERROR_LINE.search(ln)
+    fatal = [ln for ln in lines if _ERROR_LINE.search(ln) and not _NOT_FATAL.match(ln)
              and not _strip_log_prefix(ln).startswith(("File ", "^", "Traceback", "raise "))]
     for line in reversed(fatal):
         if any(re.search(p, line) for p in RESOURCE_PATTERNS):
