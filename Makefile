@@ -65,7 +65,8 @@ TARGET_RPS    ?=
 # precision search: the machine the recipe is for (an accelerator preset, cpu-avx2, cpu-avx512;
 # default: this one), the menu (default: every format vLLM serves there, and bf16), the held-out
 # tokens each unit is scored on, and the budget (130MB | 0.45 | 45% | 1.15xint4) or MAX_DAMAGE,
-# and/or a speed budget SPEEDUP=1.2 (from the uniform variants' measured speedups); REFINE=1
+# and/or a speed budget SPEEDUP=1.2 (from the uniform variants' measured speedups); REFINE=1;
+# METHOD=gptq quantizes the searched recipe by GPTQ (default rtn: the scan's own method)
 TARGET        ?=
 FORMATS       ?=
 SCAN_TOKENS   ?=
@@ -74,6 +75,7 @@ SPEEDUP       ?=
 MAX_DAMAGE    ?=
 NAME          ?=
 REFINE        ?=
+METHOD        ?=
 # planner (empty: qpipe plan's defaults, `qpipe plan --help`: the embedded model's config on an
 # h100-80gb at 8,192 tokens, bf16 weights and KV cache; MAX_CONTEXT: the model's maximum)
 MODEL         ?=
@@ -130,7 +132,7 @@ help: ## list the targets
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
 	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
-	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE NAME (sensitivity, search)"
+	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE SPEEDUP NAME REFINE=1 METHOD (sensitivity, search)"
 	@echo "             EXECUTOR=ray RAY_ADDRESS RAY_RESOURCES (make all on a Ray cluster)"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
@@ -211,7 +213,8 @@ sensitivity: $(PIPELINE_STAMP) $(SERVE_STAMP) ## damage of each unit quantized a
 search: $(PIPELINE_STAMP) $(SERVE_STAMP) ## a mixed-precision recipe: BUDGET=1.15xint4 (or MAX_DAMAGE=) -> recipes/searched-*.yaml
 	@$(QPIPE) search --baseline $(BASELINE) $(SCAN_OPTS) $(call opt,--budget,$(BUDGET)) \
 	  $(call opt,--max-damage,$(MAX_DAMAGE)) $(call opt,--speedup,$(SPEEDUP)) \
-	  $(call opt,--name,$(NAME)) $(call opt,--threshold,$(THRESHOLD)) $(if $(REFINE),--refine)
+	  $(call opt,--name,$(NAME)) $(call opt,--threshold,$(THRESHOLD)) $(if $(REFINE),--refine) \
+	  $(call opt,--method,$(METHOD))
 
 # how often each verdict is wrong, simulated against a known truth (RUNS= draws, FAST=1 subset)
 RUNS          ?=

@@ -109,45 +109,82 @@ def test_the_emitted_recipe_puts_each_unit_in_one_group_and_says_how():
                                 "1,234 bytes", 99)
     assert text.startswith("# Searched by qpipe: least damage within 1,234 bytes.")
     data = yaml.safe_load(text)
-    gptq = data["quantize_stage"]["quantize_modifiers"]["GPTQModifier"]
-    groups = {name: set(g["targets"]) for name, g in gptq["config_groups"].items()}
+    # by default the scan's own method: round-to-nearest, data-free
+    assert list(data["quantize_stage"]["quantize_modifiers"]) == ["QuantizationModifier"]
+    rtn = data["quantize_stage"]["quantize_modifiers"]["QuantizationModifier"]
+    assert data["qpipe"]["calibration"] == "none" and data["qpipe"]["search"]["method"] == "rtn"
+    groups = {name: set(g["targets"]) for name, g in rtn["config_groups"].items()}
     assert set(groups) == {"group_int4", "group_int8"}
     # fused layers never split: q, k and v of a layer are in the same group (or all ignored)
     for unit, layers in units.items():
         homes = {name for name, targets in groups.items() if set(layers) <= targets}
-        ignored = set(layers) <= set(gptq["ignore"])
+        ignored = set(layers) <= set(rtn["ignore"])
         assert len(homes) + ignored == 1, unit
-    assert "model.layers.1.self_attn.q_proj" in gptq["ignore"]
+    assert "model.layers.1.self_attn.q_proj" in rtn["ignore"]
     assert data["qpipe"]["search"]["predicted_damage"] == 0.05
+    gptq = yaml.safe_load(searched.recipe_text(Choice(formats, 1234, 0.05), units, "x", 99,
+                                               method="gptq"))
+    modifier = gptq["quantize_stage"]["quantize_modifiers"]["GPTQModifier"]
+    assert modifier["config_groups"] == rtn["config_groups"] and modifier["ignore"] == rtn[
+        "ignore"]
+    assert gptq["qpipe"]["calibration"]["dataset"] == searched.CALIBRATION["dataset"]
     with pytest.raises(ConfigError, match="fp4"):
         searched.recipe_text(Choice(dict.fromkeys(units, "fp4"), 1, 0.0), units, "x", 99)
+    with pytest.raises(ConfigError, match="METHOD=awq"):
+        searched.recipe_text(Choice(formats, 1, 0.0), units, "x", 99, method="awq")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_an_emitted_recipe_quantizes_a_tiny_model_as_chosen(tiny_model: Path, workspace: Path,
-                                                            tmp_path: Path):
+                                                            tmp_path: Path, method: str):
+    """Each unit in its group; by default the checkpoint is what the scan modelled: its KL
+    from the baseline is the scan's for the same choice (round-to-nearest both)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from pipeline.quantize import baseline as baselines
     from pipeline.quantize import recipes
     from pipeline.quantize import stage as quantize
+    from pipeline.search.sensitivity import _Quantized
 
     units = fuse(_linears(2), LLAMA_PACKED)
     formats = {unit: "int8" if "self_attn" in unit else "int4" if "layers.0" in unit else "bf16"
                for unit in units}
-    path = tmp_path / "searched-test.yaml"
-    text = searched.recipe_text(Choice(formats, 1, 0.1), units, "a test choice", 99)
+    path = tmp_path / f"searched-{method}.yaml"
+    text = searched.recipe_text(Choice(formats, 1, 0.1), units, "a test choice", 99,
+                                method=method)
     path.write_text(text.replace("calibration/python-reference.jsonl", str(
         Path(recipes.__file__).resolve().parents[2] / "recipes" / "calibration" /
         "python-reference.jsonl")))
     recipe = recipes.load(str(path)).with_calibration(num_samples=4, max_seq_length=32)
+    assert (recipe.calibration is None) == (method == "rtn")  # round-to-nearest: data-free
     base = baselines.resolve(str(tiny_model))
     manifest = quantize.quantize(base, recipe)
-    config = json.loads((workspace / "artifacts" / "variants" / base.name / recipe.name /
-                         "config.json").read_text())["quantization_config"]
+    variant = workspace / "artifacts" / "variants" / base.name / recipe.name
+    config = json.loads((variant / "config.json").read_text())["quantization_config"]
     assert manifest.format == config["format"] == "mixed-precision"
     bits = {g["weights"]["num_bits"]: set(g["targets"]) for g in config["config_groups"].values()}
     assert bits[8] == {n for n in _linears(2) if "self_attn" in n}
     assert bits[4] == {n for n in _linears(1) if "mlp" in n}
     assert not any("layers.1.mlp" in n for targets in bits.values() for n in targets)
+    if method != "rtn":
+        return
+
+    def kl(a: torch.Tensor, b: torch.Tensor) -> float:
+        pa, pb = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
+        return float((pa.exp() * (pa - pb)).sum(-1).mean())
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    checkpoint = AutoModelForCausalLM.from_pretrained(variant, dtype=torch.float32).eval()
+    ids = torch.randint(3, 512, (4, 128), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = model(ids).logits
+        with _Quantized(model, {u: layers for u, layers in units.items()}, formats):
+            scanned = kl(reference, model(ids).logits)
+        stored = kl(reference, checkpoint(ids).logits)
+    # the same method: equal up to the checkpoint's bf16 scales (int4 alone: within 0.2%)
+    assert scanned > 0 and stored == pytest.approx(scanned, rel=0.1), (stored, scanned)
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """A searched choice of formats as an ordinary llmcompressor recipe (``recipes/<name>.yaml``).
 
 One ``config_group`` per format with the explicit module names it covers (bf16 units go to
-``ignore``), quantized by GPTQ like the shipped int4 and int8 recipes, and a ``qpipe:`` block
-saying how the choice was made, so that ``make quantize``, ``bench``, ``eval``, ``gate`` and
-``all`` treat it as any shipped recipe.
+``ignore``), and a ``qpipe:`` block saying how the choice was made, so that ``make quantize``,
+``bench``, ``eval``, ``gate`` and ``all`` treat it as any shipped recipe. The checkpoint is
+quantized by the scan's own method by default, round-to-nearest (llmcompressor's
+``QuantizationModifier``, its observers, data-free): what the scan predicted is what ships.
+``METHOD=gptq`` quantizes by GPTQ like the shipped int4 and int8 recipes, and the prediction is
+then calibrated by the uniform GPTQ variants' measured damage (:mod:`pipeline.search.measured`).
 """
 
 from __future__ import annotations
@@ -31,11 +34,18 @@ FORMATS: dict[str, dict[str, Any]] = {
 }
 CALIBRATION = {"dataset": "calibration/python-reference.jsonl", "num_samples": 32,
                "max_seq_length": 256, "seed": 42}
+# How a searched checkpoint is quantized: the llmcompressor modifier of each method.
+RTN, GPTQ = "rtn", "gptq"
+METHODS = {RTN: "QuantizationModifier", GPTQ: "GPTQModifier"}
 
 
 def recipe_text(choice: Choice, units: dict[str, list[str]], how: str, threshold: float,
-                extra: dict[str, Any] | None = None) -> str:
-    """The recipe file's text for ``choice`` (unit -> format over ``units``' layers)."""
+                extra: dict[str, Any] | None = None, method: str = RTN) -> str:
+    """The recipe file's text for ``choice`` (unit -> format over ``units``' layers),
+    quantized by ``method`` (:data:`METHODS`)."""
+    if method not in METHODS:
+        raise ConfigError(f"METHOD={method}: not a quantization method of the search; the "
+                          f"methods are {', '.join(METHODS)}")
     unknown = sorted({f for f in choice.formats.values() if f != KEEP and f not in FORMATS})
     if unknown:
         raise ConfigError(f"format(s) {', '.join(unknown)} cannot go in a searched recipe: the "
@@ -49,14 +59,18 @@ def recipe_text(choice: Choice, units: dict[str, list[str]], how: str, threshold
     groups = {f"group_{fmt}": {"targets": layers, **FORMATS[fmt]}
               for fmt, layers in sorted(by_format.items()) if fmt != KEEP}
     counts = ", ".join(f"{len(v)} layers {k}" for k, v in sorted(by_format.items()))
+    modifier: dict[str, Any] = {"ignore": ["lm_head", *by_format.get(KEEP, [])]}
+    if method == GPTQ:
+        modifier["dampening_frac"] = 0.01
+    modifier["config_groups"] = groups
     recipe = {
-        "qpipe": {"description": f"searched mixed precision: {counts}",
-                  "calibration": dict(CALIBRATION), "recovery_threshold_pct": threshold,
-                  "search": {"how": how, "predicted_damage": round(choice.damage, 6),
+        "qpipe": {"description": f"searched mixed precision: {counts}, {method}",
+                  "calibration": dict(CALIBRATION) if method == GPTQ else "none",
+                  "recovery_threshold_pct": threshold,
+                  "search": {"how": how, "method": method,
+                             "predicted_damage": round(choice.damage, 6),
                              "weight_bytes": choice.bytes, **(extra or {})}},
-        "quantize_stage": {"quantize_modifiers": {"GPTQModifier": {
-            "ignore": ["lm_head", *by_format.get(KEEP, [])], "dampening_frac": 0.01,
-            "config_groups": groups}}},
+        "quantize_stage": {"quantize_modifiers": {METHODS[method]: modifier}},
     }
     head = (f"# Searched by qpipe: {how}.\n# Predicted damage (sum of per-unit KL on held-out "
             f"text): {choice.damage:.6g} nats/token; weights {choice.bytes:,} bytes.\n")

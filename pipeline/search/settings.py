@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.core.heldout import SCAN_SPAN
@@ -52,9 +54,14 @@ class SearchSettings(StageSettings):
         json_schema_extra={"make": "SPEEDUP"})
     name: str | None = Field(None, description="the recipe to write, recipes/NAME.yaml "
                              "(default: searched-<budget>)", json_schema_extra={"make": "NAME"})
-    calibrate: bool = Field(True, description="scale each format's scanned damages by its "
-                            "uniform variant's measured/predicted KL in the newest comparison "
-                            "(round-to-nearest scan, GPTQ checkpoints)", json_schema_extra={
+    method: Literal["rtn", "gptq"] = Field(
+        "rtn", description="how the searched checkpoint is quantized: rtn, the scan's own "
+        "round-to-nearest (what was predicted is what ships; data-free), or gptq, as the "
+        "shipped int4/int8 recipes (the prediction then calibrated by their measured damage)",
+        json_schema_extra={"make": "METHOD"})
+    calibrate: bool = Field(True, description="METHOD=gptq: scale each format's scanned "
+                            "damages by its uniform GPTQ variant's measured/predicted KL in the "
+                            "newest comparison", json_schema_extra={
                                 "negative": "--no-calibrate",
                                 "negative_help": "use the damages as scanned"})
     refine: bool = Field(False, description="a second pass: re-score every unit in the first "

@@ -289,8 +289,13 @@ def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
     table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan), menu)
-    factors, calibrated = measured.calibration(table) if settings.calibrate else (
-        {}, "not calibrated (--no-calibrate)")
+    if settings.method == searched.RTN:
+        factors, calibrated = {}, ("the damages as scanned: the checkpoint is quantized by the "
+                                   "scan's own method (round-to-nearest; METHOD=gptq for GPTQ)")
+    elif settings.calibrate:
+        factors, calibrated = measured.calibration(table)
+    else:
+        factors, calibrated = {}, "not calibrated (--no-calibrate)"
     choice, how, default_name = choose(table, settings, menu.left_out, factors)
     refined = ""
     if settings.refine:
@@ -316,7 +321,7 @@ def run_search(settings: SearchSettings) -> Path:
         "predictions_held": record, "calibration": calibrated,
         "predicted_damage_as_scanned": round(raw, 6),
         **({"predicted_speedup": round(1 / choice.time, 4)} if settings.speedup else {}),
-        **({"refined": refined} if refined else {})})
+        **({"refined": refined} if refined else {})}, method=settings.method)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -339,7 +344,7 @@ def run_search(settings: SearchSettings) -> Path:
         base_name, SEARCH, f"search:{name}",
         params={tracking.PARAM_BASELINE: base_name, tracking.PARAM_RECIPE: name, "how": how,
                 "formats": ",".join(table.formats), "sensitivity": table.cache_key,
-                "target": menu.target.name},
+                "target": menu.target.name, "method": settings.method},
         metrics={"predicted_weight_bytes": choice.bytes, "predicted_kl": choice.damage,
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
         tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])
