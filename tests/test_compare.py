@@ -400,6 +400,21 @@ def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_
     assert "= 1.20x the prediction: it held" in report.search_lines(comparison)[2]
     searched.divergence = {"kl_div_mean": 0.03}
     assert "int4: predicted KL 0.0800" in lines[1] and "not measured" in lines[1]
+    # a shipped uniform recipe off the round-to-nearest prediction is its method's doing
+    uniform.search = uniform.search.model_copy(update={"uniform": True})
+    uniform.divergence = {"kl_div_mean": 0.12}
+    shown = report.search_lines(comparison)
+    assert "= 1.50x the prediction: a shipped recipe, quantized by its own method" in shown[1]
+    assert "WARNING" not in shown[1] and "WARNING" in shown[2]
+    # a speed budget's prediction with its interval; the next row is still judged at 0.75-1.33
+    uniform.search = uniform.search.model_copy(update={
+        "uniform": False, "predicted_speedup": 1.2, "predicted_speedup_low": 1.1,
+        "predicted_speedup_high": 1.3})
+    shown = report.search_lines(comparison)
+    assert "int4: predicted speedup 1.20x [1.10, 1.30]" in " ".join(shown)
+    assert "(held: within 0.75-1.33x)" in shown[-1]
+    uniform.search, uniform.divergence = uniform.search.model_copy(update={
+        "predicted_speedup": None}), {}
     assert any("predicted KL 0.0200" in n for n in report.markdown(comparison).splitlines())
     rows = list(csv.DictReader(io.StringIO(report.csv_text(comparison))))
     assert rows[2]["predicted_kl"] == "0.02" and rows[2]["kl_div_mean"] == "0.03"

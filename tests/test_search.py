@@ -434,22 +434,26 @@ def test_a_searched_recipe_says_how_the_predictions_have_held(workspace: Path):
 
     assert measured.predictions_held("Tiny") == ""
 
-    def row(name: str, predicted: float, measured: float | None) -> Row:
+    def row(name: str, predicted: float, measured: float | None,
+            uniform: bool = False) -> Row:
         found = Row(name=name, recipe=name, scheme="S", format="f", precision="p",
                     weight_bytes=1, weight_ratio=0.5,
-                    search=Prediction(predicted_kl=predicted, basis="test"))
+                    search=Prediction(predicted_kl=predicted, basis="test", uniform=uniform))
         if measured is not None:
             found.divergence = {"kl_div_mean": measured}
         return found
 
     comparison = Comparison(baseline="Tiny", workload="", load_point=None,
                             plan_target=PlanTarget(), recommendation=None, reason="",
-                            rows=[row("int4", 0.4, 0.6), row("s", 0.2, 0.22),
-                                  row("int8", 0.1, None)], meta={"created": "2026-12-02"})
+                            rows=[row("s1", 0.4, 0.6), row("s", 0.2, 0.22),
+                                  row("int8", 0.1, None),
+                                  row("int4", 0.4, 0.56, uniform=True)],
+                            meta={"created": "2026-12-02"})
     comparison.write(Comparison.directory("Tiny") / Comparison.FILE)
+    # a shipped uniform recipe is GPTQ, not the search's method: not one of its predictions
     assert measured.predictions_held("Tiny") == (
         "1 of 2 predictions held (measured within 0.75-1.33x of predicted) in the newest "
-        "comparison (2026-12-02): int4 1.50x, s 1.10x")
+        "comparison (2026-12-02): s1 1.50x, s 1.10x")
 
 
 def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(workspace: Path):
@@ -523,9 +527,9 @@ def test_units_rescored_in_a_mixes_context_are_that_mixes_own_damages(tiny_model
 
 
 def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: Path):
-    """SPEEDUP=: the least damage whose predicted throughput clears the target, predicted from
-    the uniform variants' measured speedups (as on vLLM CPU: int8 faster, fp8 ten times
-    slower); a target no mix reaches names the fastest one."""
+    """SPEEDUP=: the least damage whose predicted throughput clears the target at the low ends
+    of the uniform variants' measured speedups (as on vLLM CPU: int8 faster, fp8 ten times
+    slower); a target no mix reaches so names the fastest one and the target it reaches."""
     from pipeline.core.artifacts import Comparison, PlanTarget, Row
 
     table = _sensitivity_table()  # units of 100 bf16 bytes each: a quarter of the time each
@@ -535,27 +539,39 @@ def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: P
     with pytest.raises(ConfigError, match="no uniform variant's speed is measured"):
         stage.choose(table, SearchSettings(speedup=1.05))
 
-    def served(name: str, speedup: float | None) -> Row:
+    def served(name: str, speedup: float | None, low: float = 0, high: float = 0) -> Row:
         return Row(name=name, recipe=name, scheme="S", format="f", precision=name,
                    weight_bytes=1, weight_ratio=0.5, serving="ok" if speedup else "unsupported",
-                   headline={"speedup": speedup} if speedup else {})
+                   headline={"speedup": speedup, "speedup_ci_low": low,
+                             "speedup_ci_high": high} if speedup else {})
 
     Comparison(baseline="toy", workload="chat", load_point=4, plan_target=PlanTarget(),
                recommendation=None, reason="", hardware="a test CPU",
-               rows=[served("int8", 1.2), served("fp8", 0.1), served("int4", None)]).write(
-        Comparison.directory("toy") / Comparison.FILE)
+               rows=[served("int8", 1.25, 1.15, 1.36), served("fp8", 0.1, 0.08, 0.12),
+                     served("int4", None)]).write(Comparison.directory("toy") / Comparison.FILE)
     speed, basis = measured.speeds(table)
-    assert speed == {"bf16": 1.0, "int8": 1.2, "fp8": 0.1}
+    assert speed == {"bf16": measured.Speed(1.0, 1.0, 1.0),
+                     "int8": measured.Speed(1.25, 1.15, 1.36),
+                     "fp8": measured.Speed(0.1, 0.08, 0.12)}
     assert "chat concurrency 4" in basis and "a test CPU" in basis
+    assert "int8 1.25x [1.15, 1.36]" in basis
     # least damage alone would take fp8 everywhere (0.0005 a unit); at >= 1.1x it cannot
     choice, how, name = stage.choose(table, SearchSettings(speedup=1.1))
     assert "fp8" not in choice.formats.values() and "int4" not in choice.formats.values()
-    assert 1 / choice.time >= 1.1 and name == "searched-1.1x"
+    predicted = measured.mix_speedup(choice.formats, table, speed)
+    # the budget holds at the low ends, so the point is above it
+    assert predicted.low >= 1.1 and 1 / choice.time == pytest.approx(predicted.low, abs=1e-3)
+    assert predicted.point > predicted.low and predicted.high > predicted.point
+    assert name == "searched-1.1x" and "at the low ends" in how
     assert "int4 left out: not served and measured there" in how
-    # every unit at int8 is the fastest mix: 1.2x
-    with pytest.raises(ConfigError, match=r"fastest mix .* predicted at 1.2x\. Fix: SPEEDUP= "
-                       r"at most 1.2"):
-        stage.choose(table, SearchSettings(speedup=1.3))
+    # every unit at int8 is the fastest mix: 1.25x at the point, 1.15x at the low end; 1.2x
+    # (below its point) is refused, and the reachable target named
+    fastest = measured.mix_speedup(dict.fromkeys(table.units, "int8"), table, speed)
+    assert fastest == measured.Speed(1.25, 1.15, 1.36)
+    with pytest.raises(ConfigError, match=r"SPEEDUP=1.2: no mix .* every unit at its fastest "
+                       r"format \(int8\), is predicted 1.25x \[1.15, 1.36\]\. Reachable: "
+                       r"SPEEDUP=1.15"):
+        stage.choose(table, SearchSettings(speedup=1.2))
     # beside a memory budget: both hold
     both, _, _ = stage.choose(table, SearchSettings(speedup=1.05, budget="430"))
     assert both.bytes <= 430 and 1 / both.time >= 1.05

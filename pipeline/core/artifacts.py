@@ -563,6 +563,10 @@ class Prediction(BaseModel):
     predicted_weight_bytes: int = 0
     basis: str
     predicted_speedup: float | None = None  # a speed budget's: from the uniform speedups
+    # and at the ends of their intervals (the budget holds at the low end)
+    predicted_speedup_low: float | None = None
+    predicted_speedup_high: float | None = None
+    uniform: bool = False  # a shipped uniform recipe's (the table's sum), not a searched one's
 
     HELD: ClassVar[tuple[float, float]] = (0.75, 1.33)  # measured/predicted: the prediction held
 

@@ -68,7 +68,9 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
         row.search = Prediction(predicted_kl=float(found["predicted_damage"]),
                                 predicted_weight_bytes=int(found.get("weight_bytes") or 0),
                                 basis=f"searched: {found.get('how', '?')}",
-                                predicted_speedup=found.get("predicted_speedup"))
+                                predicted_speedup=found.get("predicted_speedup"),
+                                predicted_speedup_low=found.get("predicted_speedup_low"),
+                                predicted_speedup_high=found.get("predicted_speedup_high"))
         if found.get("target") not in (None, "here"):
             row.notes.append(f"searched for {found.get('target_described') or found['target']}"
                              ": its menu is that machine's; where this machine does not serve "
@@ -80,4 +82,4 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
         size, damage = table.uniform(row.recipe)
         row.search = Prediction(predicted_kl=damage, predicted_weight_bytes=size,
                                 basis=f"every unit at {row.recipe} in the sensitivity table "
-                                      "(round-to-nearest)")
+                                      "(round-to-nearest)", uniform=True)

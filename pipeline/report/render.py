@@ -240,14 +240,21 @@ def search_lines(comparison: Comparison) -> list[str]:
         else:
             tail = (f"measured {measured:.4f} on the held-out check text (the whole model, "
                     f"emulated) = {ratio:.2f}x the prediction: "
-                    + ("it held" if held else f"WARNING: it did not hold (held: within "
+                    + ("it held" if held else
+                       "a shipped recipe, quantized by its own method, not the scan's "
+                       "round-to-nearest: the ratio is what that method does here against "
+                       "round-to-nearest (METHOD=gptq searches calibrate by it)"
+                       if row.search.uniform else f"WARNING: it did not hold (held: within "
                        f"{low:g}-{high:g}x); this variant's predicted damage is not to be "
                        "trusted, its measured KL is"))
         out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
                    f"summed; {row.search.basis}), {tail}")
         if row.search.predicted_speedup:
             found = speedup_of(row.headline)
-            out.append(f"{row.name}: predicted speedup {row.search.predicted_speedup:.2f}x, "
+            slow, shigh = row.search.predicted_speedup_low, row.search.predicted_speedup_high
+            ends = f" [{slow:.2f}, {shigh:.2f}]" if slow and shigh else ""
+            out.append(f"{row.name}: predicted speedup {row.search.predicted_speedup:.2f}x"
+                       f"{ends} (from the uniform variants' measured speedups), "
                        + (f"measured {found.text()} {found.verdict}" if found is not None
                           else "its speed not measured (make bench)"))
     if out:

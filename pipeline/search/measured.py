@@ -5,9 +5,25 @@ prediction), and how the search's predictions held."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from pipeline.core import tracking
 from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable
 from pipeline.search.recipe import KEEP
 from pipeline.search.solver import Option
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A uniform variant's measured speedup over the baseline, with its interval (the point
+    itself where the comparison recorded none)."""
+
+    point: float
+    low: float
+    high: float
+
+    def text(self) -> str:
+        return f"{self.point:.2f}x [{self.low:.2f}, {self.high:.2f}]"
 
 
 def _newest(table_or_name: SensitivityTable | str) -> Comparison | None:
@@ -16,24 +32,39 @@ def _newest(table_or_name: SensitivityTable | str) -> Comparison | None:
     return Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
 
 
-def speeds(table: SensitivityTable) -> tuple[dict[str, float], str]:
+def speeds(table: SensitivityTable) -> tuple[dict[str, Speed], str]:
     """Per format, the uniform variant's measured speedup over the baseline at the newest
-    comparison's headline load point (on the engine that served it; bf16 is 1), and where
-    from. A format no comparison served is not in it."""
+    comparison's headline load point, with its interval (on the engine that served it; bf16
+    is 1), and where from. A format no comparison served is not in it."""
     comparison = _newest(table)
     if comparison is None:
         return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
-    found = {KEEP: 1.0}
+    found = {KEEP: Speed(1.0, 1.0, 1.0)}
     for row in comparison.rows:
         if row.name in table.formats and row.name != KEEP and row.comparable \
                 and row.serving == "ok" and row.speedup:
-            found[row.name] = round(row.speedup, 4)
+            point = round(row.speedup, 4)
+            low = row.headline.get(tracking.SPEEDUP_CI_LOW) or point
+            high = row.headline.get(tracking.SPEEDUP_CI_HIGH) or point
+            found[row.name] = Speed(point, round(min(low, point), 4), round(max(high, point), 4))
     when = comparison.meta.get("created", "")
     where = comparison.hardware or "the machine that ran it"
     return found, (f"the uniform variants' measured speedups at {comparison.workload} "
                    f"concurrency {comparison.load_point} in the newest comparison"
                    f"{f' ({when})' if when else ''}, on {where}: "
-                   + ", ".join(f"{f} {x:.2f}x" for f, x in found.items() if f != KEEP))
+                   + ", ".join(f"{f} {x.text()}" for f, x in found.items() if f != KEEP))
+
+
+def mix_speedup(formats: dict[str, str], table: SensitivityTable,
+                speed: dict[str, Speed]) -> Speed:
+    """A mix's predicted speedup from the uniform variants' (:func:`timed`'s model), at their
+    points and at their intervals' ends: every format at its low end gives the low end."""
+    total = sum(table.damage(u, KEEP).bytes for u in table.units)
+
+    def at(pick: str) -> float:
+        return 1 / sum(table.damage(u, KEEP).bytes / total / getattr(speed[f], pick)
+                       for u, f in formats.items())
+    return Speed(round(at("point"), 4), round(at("low"), 4), round(at("high"), 4))
 
 
 
@@ -83,11 +114,13 @@ def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
 
 def predictions_held(baseline_name: str) -> str:
     """How the search's predictions held in the newest comparison of this baseline: each
-    variant with a prediction and a measured KL, measured over predicted ("" if none)."""
+    searched variant with a measured KL, measured over predicted ("" if none)."""
     comparison = _newest(baseline_name)
     if comparison is None:
         return ""
+    # searched variants only: a shipped uniform recipe is quantized by its own method
     found = [(row.name, ratio) for row in comparison.rows if row.search is not None
+             and not row.search.uniform
              and (ratio := row.search.ratio(row.divergence.get("kl_div_mean"))) is not None]
     if not found:
         return ""

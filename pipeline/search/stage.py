@@ -238,9 +238,14 @@ def choose(table: SensitivityTable, settings: SearchSettings,
             raise ConfigError(f"SPEEDUP={settings.speedup:g}: no uniform variant's speed is "
                               f"measured to predict a mix's from: {basis}. Fix: make all "
                               "RECIPE=\"int4 int8\" (on the engine the recipe is for).")
-        opts, max_time = measured.timed(opts, table, speed), 1 / settings.speedup
-        fast = (f", predicted >= {settings.speedup:g}x the baseline's throughput from {basis}"
-                + (f" ({', '.join(missing)} left out: not served and measured there)"
+        # the budget holds at the low ends of the uniform speedups' intervals: a mix chosen
+        # at their points would miss it about half the time
+        opts = measured.timed(opts, table, {f: s.low for f, s in speed.items()})
+        max_time = 1 / settings.speedup
+        _speed_reachable(opts, table, speed, settings.speedup, basis)
+        fast = (f", predicted >= {settings.speedup:g}x the baseline's throughput at the low "
+                f"ends of the uniform variants' measured speedups ({basis})"
+                + (f"; {', '.join(missing)} left out: not served and measured there"
                    if missing else ""))
     if settings.budget is None and settings.max_damage is None:
         return (least_damage(opts, math.inf, fixed, max_time),
@@ -257,6 +262,24 @@ def choose(table: SensitivityTable, settings: SearchSettings,
     return (fewest_bytes(opts, damage - offset, fixed, max_time),
             f"fewest weight bytes with predicted damage <= {damage:g}{fast}",
             f"searched-kl{damage:g}")
+
+
+def _speed_reachable(opts: dict[str, list[Option]], table: SensitivityTable,
+                     speed: dict[str, measured.Speed], target: float, basis: str) -> None:
+    """Refuse a speed budget no mix meets at the uniform speedups' low ends, naming the
+    fastest mix's prediction and the budget it does meet."""
+    fastest = {unit: min(unit_opts, key=lambda o: o.time).format
+               for unit, unit_opts in opts.items()}
+    best = measured.mix_speedup(fastest, table, speed)
+    if best.low >= target - 1e-9:
+        return
+    formats = ", ".join(sorted(set(fastest.values())))
+    raise ConfigError(
+        f"SPEEDUP={target:g}: no mix is predicted at least {target:g}x at the low ends of the "
+        f"uniform variants' measured speedups ({basis}); the fastest, every unit at its "
+        f"fastest format ({formats}), is predicted {best.text()}. Reachable: SPEEDUP="
+        f"{math.floor(best.low * 100 + 1e-6) / 100:g}, or narrow the uniform variants' intervals "
+        "(make all RECIPE=\"int4 int8\" REPEATS=12) and search again.")
 
 
 def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
@@ -320,7 +343,7 @@ def run_search(settings: SearchSettings) -> Path:
         "target": menu.target.name, "target_described": menu.target.described,
         "predictions_held": record, "calibration": calibrated,
         "predicted_damage_as_scanned": round(raw, 6),
-        **({"predicted_speedup": round(1 / choice.time, 4)} if settings.speedup else {}),
+        **(_speed_record(choice, table) if settings.speedup else {}),
         **({"refined": refined} if refined else {})}, method=settings.method)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
@@ -328,8 +351,10 @@ def run_search(settings: SearchSettings) -> Path:
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
     if settings.speedup:
-        print(f"predicted speedup: {1 / choice.time:.3f}x the baseline's throughput (make all "
-              f"RECIPE={name} measures it, with its interval)")
+        predicted = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0])
+        print(f"predicted speedup: {predicted.text()} the baseline's throughput (at the uniform "
+              f"variants' measured speedups and their intervals' ends; make all RECIPE={name} "
+              "measures it, with its interval)")
     print(f"how such predictions have held: {record}\nthe prediction: "
           + (refined or calibrated + (f" (as scanned: {raw:.4f})" if factors else "")))
     if not menu.target.here:
@@ -349,6 +374,13 @@ def run_search(settings: SearchSettings) -> Path:
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
         tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])
     return path
+
+
+def _speed_record(choice: Choice, table: SensitivityTable) -> dict[str, float]:
+    """A speed budget's prediction for the recipe: the point and the interval's ends."""
+    predicted = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0])
+    return {"predicted_speedup": predicted.point, "predicted_speedup_low": predicted.low,
+            "predicted_speedup_high": predicted.high}
 
 
 def _summary(table: SensitivityTable, choice: Choice, counts: dict[str, int], how: str,
