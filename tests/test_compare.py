@@ -398,6 +398,16 @@ def test_a_searched_variant_shows_its_predicted_against_its_measured_damage(tmp_
         in lines[2]
     searched.divergence = {"kl_div_mean": 0.024}
     assert "= 1.20x the prediction: it held" in report.search_lines(comparison)[2]
+    searched.search = searched.search.model_copy(update={"predicted_kl": 0.02})
+    assert searched.search.held(0.0215) and not searched.search.held(0.03)
+    # 1.5x, but 0.0015 nats/token apart: within the bf16 check's own floor
+    small = searched.search.model_copy(update={"predicted_kl": 0.003})
+    assert small.held(0.0045) and small.ratio(0.0045) == pytest.approx(1.5)
+    searched.search = small
+    searched.divergence = {"kl_div_mean": 0.0045}
+    assert "1.50x the prediction: it held (within 0.002 nats/token: the check's bf16" in \
+        report.search_lines(comparison)[2]
+    searched.search = searched.search.model_copy(update={"predicted_kl": 0.02})
     searched.divergence = {"kl_div_mean": 0.03}
     assert "int4: predicted KL 0.0800" in lines[1] and "not measured" in lines[1]
     # a shipped uniform recipe off the round-to-nearest prediction is its method's doing

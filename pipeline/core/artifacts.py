@@ -569,6 +569,11 @@ class Prediction(BaseModel):
     uniform: bool = False  # a shipped uniform recipe's (the table's sum), not a searched one's
 
     HELD: ClassVar[tuple[float, float]] = (0.75, 1.33)  # measured/predicted: the prediction held
+    # A difference this small is the check's, not the prediction's: the check runs in bf16,
+    # the scan in float32, and on the embedded model the baseline alone is 0.001 nats/token
+    # apart between the two (a searched mix predicted 0.0037 measured 0.0055 in bf16, 0.0037
+    # in float32).
+    FLOOR: ClassVar[float] = 0.002
 
     def ratio(self, measured: float | None) -> float | None:
         """Measured over predicted KL (None where either is missing)."""
@@ -576,9 +581,13 @@ class Prediction(BaseModel):
             else None
 
     def held(self, measured: float | None) -> bool | None:
-        """Whether the measured KL is within ``HELD`` of the prediction (None: not measured)."""
+        """Whether the measured KL is within ``HELD`` of the prediction, or within ``FLOOR``
+        of it (None: not measured)."""
         found = self.ratio(measured)
-        return None if found is None else self.HELD[0] <= found <= self.HELD[1]
+        if found is None or measured is None:
+            return None
+        return self.HELD[0] <= found <= self.HELD[1] or \
+            abs(measured - self.predicted_kl) <= self.FLOOR
 
 
 class CostFigures(BaseModel):

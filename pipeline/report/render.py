@@ -240,7 +240,9 @@ def search_lines(comparison: Comparison) -> list[str]:
         else:
             tail = (f"measured {measured:.4f} on the held-out check text (the whole model, "
                     f"emulated) = {ratio:.2f}x the prediction: "
-                    + ("it held" if held else
+                    + (("it held" if low <= ratio <= high else
+                        f"it held (within {Prediction.FLOOR:g} nats/token: the check's bf16 "
+                        "arithmetic, not the prediction)") if held else
                        "a shipped recipe, quantized by its own method, not the scan's "
                        "round-to-nearest: the ratio is what that method does here against "
                        "round-to-nearest (METHOD=gptq searches calibrate by it)"

@@ -119,14 +119,15 @@ def predictions_held(baseline_name: str) -> str:
     if comparison is None:
         return ""
     # searched variants only: a shipped uniform recipe is quantized by its own method
-    found = [(row.name, ratio) for row in comparison.rows if row.search is not None
-             and not row.search.uniform
+    found = [(row.name, ratio, row.search.held(row.divergence.get("kl_div_mean")))
+             for row in comparison.rows if row.search is not None and not row.search.uniform
              and (ratio := row.search.ratio(row.divergence.get("kl_div_mean"))) is not None]
     if not found:
         return ""
     low, high = Prediction.HELD
-    held = sum(low <= ratio <= high for _, ratio in found)
+    held = sum(1 for *_, ok in found if ok)
     when = comparison.meta.get("created", "")
     return (f"{held} of {len(found)} predictions held (measured within {low:g}-{high:g}x of "
-            f"predicted) in the newest comparison{f' ({when})' if when else ''}: "
-            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in found))
+            f"predicted, or within {Prediction.FLOOR:g} nats/token) in the newest comparison"
+            f"{f' ({when})' if when else ''}: "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio, _ in found))
