@@ -372,15 +372,15 @@ def drop_too_slow(live: dict[str, VllmServer], records: dict[str, ModelRecord],
         return
     base = min(t for t in timings if t is not None)
     bound = SLOW_FACTOR * base
+    waited = max(PROBE_FLOOR_S, bound)
     for name in [n for n in live if n != BASELINE]:
         try:
-            took = live[name].probe(max(PROBE_FLOOR_S, bound))
+            took = live[name].probe(waited)
         except ServeError as err:
             _drop(live, name, records, err, pool)
             continue
         if took is not None and took <= bound:
             continue
-        waited = max(PROBE_FLOOR_S, bound)
         how = (f"took {took:.1f} s" if took is not None else
                f"gave no answer within {waited:.1f} s (abandoned)")
         ratio = (took if took is not None else waited) / base
