@@ -334,6 +334,9 @@ def run_search(settings: SearchSettings) -> Path:
         raise ConfigError(f"{path} is a recipe that was not searched; it is left as it is. "
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
+    # a speed budget's prediction: at the uniform speedups' points and their intervals' ends
+    fast = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0]) \
+        if settings.speedup else None
     record = measured.predictions_held(table.baseline["name"]) or (
         "no searched or uniform variant of this baseline measured against its prediction yet "
         "(make all RECIPE=\"int4 int8 ...\")")
@@ -343,16 +346,16 @@ def run_search(settings: SearchSettings) -> Path:
         "target": menu.target.name, "target_described": menu.target.described,
         "predictions_held": record, "calibration": calibrated,
         "predicted_damage_as_scanned": round(raw, 6),
-        **(_speed_record(choice, table) if settings.speedup else {}),
+        **({"predicted_speedup": fast.point, "predicted_speedup_low": fast.low,
+            "predicted_speedup_high": fast.high} if fast else {}),
         **({"refined": refined} if refined else {})}, method=settings.method)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
     recipes.load(str(path))  # what make quantize will read: refused here, not later
     print(_summary(table, choice, counts, how, path))
-    if settings.speedup:
-        predicted = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0])
-        print(f"predicted speedup: {predicted.text()} the baseline's throughput (at the uniform "
+    if fast:
+        print(f"predicted speedup: {fast.text()} the baseline's throughput (at the uniform "
               f"variants' measured speedups and their intervals' ends; make all RECIPE={name} "
               "measures it, with its interval)")
     print(f"how such predictions have held: {record}\nthe prediction: "
@@ -374,13 +377,6 @@ def run_search(settings: SearchSettings) -> Path:
                  **{f"units_{fmt}": n for fmt, n in counts.items()}},
         tags={tracking.TAG_CACHE_KEY: key}, artifacts=[path])
     return path
-
-
-def _speed_record(choice: Choice, table: SensitivityTable) -> dict[str, float]:
-    """A speed budget's prediction for the recipe: the point and the interval's ends."""
-    predicted = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0])
-    return {"predicted_speedup": predicted.point, "predicted_speedup_low": predicted.low,
-            "predicted_speedup_high": predicted.high}
 
 
 def _summary(table: SensitivityTable, choice: Choice, counts: dict[str, int], how: str,
