@@ -55,15 +55,20 @@ def speeds(table: SensitivityTable) -> tuple[dict[str, Speed], str]:
                    + ", ".join(f"{f} {x.text()}" for f, x in found.items() if f != KEEP))
 
 
+def _shares(table: SensitivityTable) -> dict[str, float]:
+    """Each unit's share of the linear layers' bf16 weights: its share of their serving time."""
+    total = sum(table.damage(u, KEEP).bytes for u in table.units)
+    return {u: table.damage(u, KEEP).bytes / total for u in table.units}
+
+
 def mix_speedup(formats: dict[str, str], table: SensitivityTable,
                 speed: dict[str, Speed]) -> Speed:
     """A mix's predicted speedup from the uniform variants' (:func:`timed`'s model), at their
     points and at their intervals' ends: every format at its low end gives the low end."""
-    total = sum(table.damage(u, KEEP).bytes for u in table.units)
+    shares = _shares(table)
 
     def at(pick: str) -> float:
-        return 1 / sum(table.damage(u, KEEP).bytes / total / getattr(speed[f], pick)
-                       for u, f in formats.items())
+        return 1 / sum(shares[u] / getattr(speed[f], pick) for u, f in formats.items())
     return Speed(round(at("point"), 4), round(at("low"), 4), round(at("high"), 4))
 
 
@@ -74,9 +79,8 @@ def timed(opts: dict[str, list[Option]], table: SensitivityTable,
     of the linear layers' weights over its format's measured uniform speedup (serving time
     as a fixed part plus the linear layers', each in proportion to its weights: exact for
     every uniform variant); formats with no measured speedup left out."""
-    total = sum(table.damage(u, KEEP).bytes for u in table.units)
-    return {unit: [Option(o.format, o.bytes, o.damage,
-                          table.damage(unit, KEEP).bytes / total / speed[o.format])
+    shares = _shares(table)
+    return {unit: [Option(o.format, o.bytes, o.damage, shares[unit] / speed[o.format])
                    for o in unit_opts if o.format in speed] for unit, unit_opts in opts.items()}
 
 
