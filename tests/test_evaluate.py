@@ -63,6 +63,22 @@ def _result(task: str, items: list[float], chance: float = 0.5) -> lm.TaskResult
                                chance={"acc,none": chance}, settings={}, command="")
 
 
+def test_a_builtin_tasks_primary_metric_is_one_lm_eval_says_is_higher_is_better() -> None:
+    """A built-in task (``TASKS=``) has no qpipe_metric: the first metric scored may be a
+    perplexity (lambada_openai's), which recovery would read inverted."""
+    builtin = suites.Task(name="lambada_openai", suite="lm-eval", path=Path(), config={},
+                          data_files={}, sha256="x", default_limit=None, primary_metric="")
+    items = {"0": 1.0, "1": 0.0}
+    result = lm.TaskResult(
+        task="lambada_openai", backend="served", metrics={}, chance={}, settings={}, command="",
+        per_item={"perplexity,none": {"0": 3.1, "1": 9.7}, "acc,none": items},
+        higher_is_better={"perplexity": False, "acc": True})
+    assert lm.primary_key(builtin, result) == "acc,none"
+    result.per_item.pop("acc,none")
+    with pytest.raises(lm.EvalError, match=r"lambada_openai: .*lower-is-better.*qpipe_metric"):
+        lm.primary_key(builtin, result)
+
+
 def test_compare_and_suite_figure_from_paired_items() -> None:
     tasks = suites.select(["app"])
     base = {t.name: _result(t.name, [1.0] * 16 + [0.0] * 4) for t in tasks}
@@ -149,6 +165,7 @@ def test_emulated_end_to_end_with_a_new_task(
     report = evaluate.evaluate(base, [variant], tasks, settings)
     assert report["fp8"].backend == lm.EMULATED
     assert all(len(r.per_item["acc,none"]) == 6 for r in report["fp8"].results.values())
+    assert all(r.higher_is_better.get("acc") is True for r in report["fp8"].results.values())
     # FP8 moves the tiny model's distributions a little, not a lot
     assert 0 < report["fp8"].divergence.kl_div_mean < 1
 

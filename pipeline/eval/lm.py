@@ -81,6 +81,7 @@ class TaskResult:
     command: str  # the lm_eval command line that reproduces it
     directory: str = ""  # where results.json and samples_<task>.jsonl lie
     seconds: float = 0.0
+    higher_is_better: dict[str, bool] = field(default_factory=dict)  # lm-eval's, per metric
     cached: bool = field(default=False, compare=False)
 
     @classmethod
@@ -184,10 +185,20 @@ def per_item_scores(samples: list[dict], output_type: str
 
 
 def primary_key(task: suites.Task, result: TaskResult) -> str:
-    """The metric recovery and the gate use: the task's, else the first one scored."""
+    """The metric recovery and the gate use: the task's, else the first one scored that lm-eval
+    marks higher-is-better (recovery is variant / baseline: a perplexity would read inverted)."""
     if task.primary_metric in result.per_item:
         return task.primary_metric
-    return next(iter(result.per_item), task.primary_metric)
+    upward = [k for k in result.per_item if result.higher_is_better.get(k.split(",")[0], True)]
+    if result.per_item and not upward:
+        raise EvalError(
+            f"lm-eval task {task.name}: every metric it scores per item "
+            f"({', '.join(result.per_item)}) is lower-is-better (lm-eval's higher_is_better), "
+            "and recovery (variant / baseline) and its gate assume higher is better, so the task "
+            "would be judged inverted. Fix: choose a task with an accuracy-like metric, or copy "
+            f"it into a suite under evals/ with metadata.{suites.META_METRIC} set to a "
+            "higher-is-better metric.")
+    return next(iter(upward), task.primary_metric)
 
 
 def _json_default(obj: Any) -> Any:
@@ -231,6 +242,8 @@ def run_task(lm: Any, model_args: str | None, model: Variant, task: suites.Task,
     result = TaskResult(
         task=task.name, backend=backend, metrics=metrics, per_item=per_item, chance=chance,
         settings=task_settings, seconds=round(seconds, 2), directory=str(target),
+        higher_is_better={str(k): bool(v) for k, v in
+                          out.get("higher_is_better", {}).get(task.name, {}).items()},
         command=lm_eval_command(model, task, backend, settings, task_settings["limit"]))
     with atomic_dir(target) as tmp:
         (tmp / "results.json").write_text(json.dumps(out, indent=2, default=_json_default))
