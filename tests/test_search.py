@@ -277,7 +277,7 @@ def test_the_menu_holds_only_what_vllm_serves_here(monkeypatch: pytest.MonkeyPat
     served = {"int4": (False, reason), "int8": (True, "oneDNN (probe)"),
               "fp8": (True, "a torch scaled-mm path (vLLM 0.32 source)")}
     monkeypatch.setattr(menus, "_support", lambda *args: served)
-    host = SimpleNamespace(target="cuda", describe=lambda: "a test host")
+    host = SimpleNamespace(target="cuda", describe=lambda: "a test host", key=lambda: "test")
     monkeypatch.setattr(menus.hardware, "profile", lambda: host)
     assert menus.resolve(None).formats == ["int8", "fp8", "bf16"]
     # on a CPU, fp8 is served but slowly: asked for by name only
@@ -321,6 +321,12 @@ def test_the_menu_is_the_deployment_targets_not_the_scanning_machines(
     with pytest.raises(ConfigError, match=r"BUDGET=1.15xfp8: fp8 is not in the menu: .*"
                        r"TARGET=h100-80gb"):
         stage.choose(table, SearchSettings(budget="1.15xfp8"), a100.left_out)
+    # a byte budget only a left-out format could meet: the same way out, with the reason
+    int8_only = table.model_copy(update={
+        "formats": ["int8", "bf16"], "damages": [d for d in table.damages if d.format != "int4"]})
+    with pytest.raises(ConfigError, match=r"BUDGET=330: no choice of formats fits 330 bytes .*"
+                       r"The menu left out int4 \(.*has no cpu_gemm_wna16.*\).*TARGET=h100-80gb"):
+        stage.choose(int8_only, SearchSettings(budget="330"), here.left_out)
 
 
 def test_the_table_is_shown_as_layers_by_unit_kinds(tmp_path: Path):
@@ -547,8 +553,19 @@ def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: P
 
     Comparison(baseline="toy", workload="chat", load_point=4, plan_target=PlanTarget(),
                recommendation=None, reason="", hardware="a test CPU",
+               measurement={"hardware_key": "cpu-avx2"},
                rows=[served("int8", 1.25, 1.15, 1.36), served("fp8", 0.1, 0.08, 0.12),
                      served("int4", None)]).write(Comparison.directory("toy") / Comparison.FILE)
+    # speeds measured on an AVX2 CPU are not an H100's: a speed budget for it is refused
+    h100 = menus.Target("h100-80gb", "cuda", "NVIDIA H100 80GB (compute capability 9.0)",
+                        False, hardware="-sm90")
+    with pytest.raises(ConfigError, match=r"SPEEDUP=1.05: .* measured on cpu-avx2 \(a test "
+                       r"CPU\), not on NVIDIA H100 .*machine the recipe is for"):
+        stage.choose(table, SearchSettings(speedup=1.05), target=h100)
+    avx2 = menus.Target("cpu-avx2", "cpu", "cpu-avx2", True, hardware="cpu-avx2")
+    assert measured.speeds(table, avx2)[0] == measured.speeds(table)[0]
+    assert h100.measures("cuda-nvidia-h100-80gb-hbm3-sm90-80g") and not h100.measures("")
+    assert avx2.measures("cpu-avx2+amx") and not avx2.measures("cpu-avx512bf16")
     speed, basis = measured.speeds(table)
     assert speed == {"bf16": measured.Speed(1.0, 1.0, 1.0),
                      "int8": measured.Speed(1.25, 1.15, 1.36),
@@ -575,3 +592,28 @@ def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: P
     # beside a memory budget: both hold
     both, _, _ = stage.choose(table, SearchSettings(speedup=1.05, budget="430"))
     assert both.bytes <= 430 and 1 / both.time >= 1.05
+
+
+def test_a_recipe_searched_for_another_machine_says_so_on_its_row():
+    """The report's row of a searched variant names the target it was searched for, and that
+    the figures shown are this machine's."""
+    from pipeline.core.artifacts import Row
+    from pipeline.report.accuracy import apply_search
+
+    def row() -> Row:
+        return Row(name="searched-1.15xint4-h100-80gb", recipe="searched-1.15xint4-h100-80gb",
+                   scheme="S", format="mixed-precision", precision="mixed", weight_bytes=1,
+                   weight_ratio=0.5)
+
+    found = {"predicted_damage": 0.104, "weight_bytes": 130, "how": "least predicted damage",
+             "target": "h100-80gb", "target_described": "NVIDIA H100 80GB (compute capability "
+                                                       "9.0, from vLLM's kernel rules)"}
+    far = row()
+    apply_search(far, found, [])
+    assert far.search is not None and far.search.predicted_kl == pytest.approx(0.104)
+    (note,) = far.notes
+    assert note.startswith("searched for NVIDIA H100 80GB") and "scored emulated" in note
+    assert "this machine's, not the target's" in note
+    near = row()
+    apply_search(near, {**found, "target": "here"}, [])
+    assert near.notes == []

@@ -75,7 +75,8 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
             row.notes.append(f"searched for {found.get('target_described') or found['target']}"
                              ": its menu is that machine's; where this machine does not serve "
                              "a format it holds, it is reported unsupported and scored "
-                             "emulated")
+                             "emulated; where it does serve them, the speed and capacity "
+                             "shown are this machine's, not the target's")
         return
     table = next((t for t in tables if row.recipe in t.formats), None)
     if table is not None:

@@ -119,6 +119,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
         ref_path, ref = reference
         measurement = {"run": measurement_label(ref_path, ref), "path": str(ref_path),
                        "hardware": ref.hardware.get("summary", "unknown"),
+                       "hardware_key": measured_on,
                        "pairing": ref.speedup_pairing,
                        "reference": (f"the baseline served in {ref.reference['dtype']} ("
                                      f"{ref.reference['why']})") if ref.reference else "",

@@ -14,6 +14,21 @@ FORMS = "bytes (130MB, 1.3e8), a share of the baseline's weights (0.45, 45%), or
         "of a uniform format (1.15xint4)"
 
 
+TARGET_HINT = ("If the recipe is for another machine than this one, name it: TARGET=h100-80gb "
+               "(an accelerator preset), cpu-avx512 or cpu-avx2; the proof then runs emulated "
+               "here.")
+
+
+def unmet(text: str, why: str, left_out: dict[str, str] | None) -> ConfigError:
+    """A budget no choice from the menu meets; where the menu left formats out (not served
+    here), they are named with why, and TARGET= as the way out."""
+    if not left_out:
+        return ConfigError(f"BUDGET={text}: {why}")
+    return ConfigError(f"BUDGET={text}: {why} The menu left out "
+                       + "; ".join(f"{fmt} ({reason})" for fmt, reason in left_out.items())
+                       + f". {TARGET_HINT}")
+
+
 def parse(text: str, table: SensitivityTable,
           left_out: dict[str, str] | None = None) -> tuple[int, str]:
     """(budget in bytes of total weights, how it reads); ``left_out``: the formats the menu
@@ -24,9 +39,7 @@ def parse(text: str, table: SensitivityTable,
         factor, fmt = float(multiple[1]), multiple[2]
         if fmt in (left_out or {}):
             raise ConfigError(f"BUDGET={text}: {fmt} is not in the menu: {left_out[fmt]}. "
-                              "If the recipe is for another machine than this one, name it: "
-                              "TARGET=h100-80gb (an accelerator preset), cpu-avx512 or "
-                              "cpu-avx2; the proof then runs emulated here.")
+                              f"{TARGET_HINT}")
         if fmt not in table.formats:
             raise ConfigError(f"BUDGET={text}: {fmt} is not in the sensitivity table's menu "
                               f"({', '.join(table.formats)}). Use one of them, or {FORMS}.")

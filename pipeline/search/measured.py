@@ -6,11 +6,15 @@ prediction), and how the search's predictions held."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline.core import tracking
 from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable
 from pipeline.search.recipe import KEEP
 from pipeline.search.solver import Option
+
+if TYPE_CHECKING:
+    from pipeline.search.menu import Target
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,23 @@ def _newest(table_or_name: SensitivityTable | str) -> Comparison | None:
     return Comparison.read(Comparison.directory(name) / Comparison.FILE) if name else None
 
 
-def speeds(table: SensitivityTable) -> tuple[dict[str, Speed], str]:
+def speeds(table: SensitivityTable, target: Target | None = None
+           ) -> tuple[dict[str, Speed], str]:
     """Per format, the uniform variant's measured speedup over the baseline at the newest
     comparison's headline load point, with its interval (on the engine that served it; bf16
-    is 1), and where from. A format no comparison served is not in it."""
+    is 1), and where from. A format no comparison served is not in it; none is where the
+    comparison was not measured on a machine of ``target``'s kind (its speeds are another
+    machine's)."""
     comparison = _newest(table)
     if comparison is None:
         return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
+    key = comparison.measurement.get("hardware_key", "")
+    if target is not None and not target.measures(key):
+        where = key or "a machine it does not record (make compare records it)"
+        return {}, (f"the newest comparison was measured on {where} "
+                    f"({comparison.hardware or 'not described'}), not on "
+                    f"{target.described}, and a speed budget holds only on the machine its "
+                    "speeds were measured on")
     found = {KEEP: Speed(1.0, 1.0, 1.0)}
     for row in comparison.rows:
         if row.name in table.formats and row.name != KEEP and row.comparable \

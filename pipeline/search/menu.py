@@ -57,6 +57,14 @@ class Target:
     described: str  # in words, as the search and the recipe say it
     here: bool  # the machine that scans (its served figures can be measured here)
     support: dict[str, tuple[bool, str]] = field(default_factory=dict)  # format -> (ok, why)
+    # this machine's hardware key (here), or the part every key of the target's kind holds
+    hardware: str = ""
+
+    def measures(self, key: str) -> bool:
+        """Whether figures measured on the machine of hardware ``key`` are this target's."""
+        if not key or not self.hardware:
+            return False
+        return key == self.hardware if self.name == HERE else self.hardware in key
 
 
 def target_names() -> list[str]:
@@ -69,16 +77,16 @@ def target(name: str | None = None) -> Target:
     key = (name or HERE).strip().lower()
     if key == HERE:
         return Target(HERE, prof.target, f"this machine ({prof.describe()})", True,
-                      _support(prof, None))
+                      _support(prof, None), prof.key())
     if key in CPU_TARGETS:
         library, ops = CPU_TARGETS[key]
         probed = doctor.probe_kernels(prof) if prof.target == "cpu" else None
         if probed is not None and probed.get("library") == library:
             return Target(key, "cpu", f"{key} (vLLM CPU's {library}, as on this machine)",
-                          True, _support(prof, probed))
+                          True, _support(prof, probed), key)
         known = {"library": library, "ops": list(ops)}
         return Target(key, "cpu", f"{key} (vLLM CPU's {library}; not this machine)", False,
-                      _support(prof, known, f"{doctor.SOURCE}: {library}'s ops"))
+                      _support(prof, known, f"{doctor.SOURCE}: {library}'s ops"), key)
     presets = known_accelerators()
     preset = presets.get(key)
     if preset is None:
@@ -98,7 +106,8 @@ def target(name: str | None = None) -> Target:
                            vllm=prof.vllm, gpus=(card,))
     return Target(preset.name, "cuda", f"{preset.description} (compute capability "
                   f"{preset.compute_capability}, from vLLM's kernel rules)"
-                  + ("" if here else "; not this machine"), here, _support(gpu, None))
+                  + ("" if here else "; not this machine"), here, _support(gpu, None),
+                  f"-sm{preset.compute_capability.replace('.', '')}")
 
 
 def _support(prof: hardware.Profile, probe: dict | None,

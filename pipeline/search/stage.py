@@ -216,13 +216,14 @@ def options(table: SensitivityTable, factors: dict[str, float] | None = None
 
 def choose(table: SensitivityTable, settings: SearchSettings,
            left_out: dict[str, str] | None = None, factors: dict[str, float] | None = None,
-           opts: dict[str, list[Option]] | None = None, offset: float = 0.0
-           ) -> tuple[Choice, str, str]:
+           opts: dict[str, list[Option]] | None = None, offset: float = 0.0,
+           target: menus.Target | None = None) -> tuple[Choice, str, str]:
     """(the choice with totals over the whole model, how it was chosen, the default name);
     ``left_out``: the formats the menu left out, and why; ``factors``: each format's
     calibration (the damages the solver weighs and the prediction are calibrated); ``opts``
     and ``offset``: other options (damages re-scored in a mix's context, which ``offset``, the
-    mix's own damage, is added to)."""
+    mix's own damage, is added to); ``target``: the machine a speed budget's speeds must have
+    been measured on."""
     opts = opts or options(table, factors)
     if (settings.budget is not None and settings.max_damage is not None) or not (
             settings.budget or settings.max_damage is not None or settings.speedup):
@@ -232,12 +233,13 @@ def choose(table: SensitivityTable, settings: SearchSettings,
     fixed = table.fixed_bytes
     max_time, fast = None, ""
     if settings.speedup:
-        speed, basis = measured.speeds(table)
+        speed, basis = measured.speeds(table, target)
         missing = [f for f in table.formats if f not in speed]
         if len(speed) < 2:
             raise ConfigError(f"SPEEDUP={settings.speedup:g}: no uniform variant's speed is "
                               f"measured to predict a mix's from: {basis}. Fix: make all "
-                              "RECIPE=\"int4 int8\" (on the engine the recipe is for).")
+                              "RECIPE=\"int4 int8\" on the machine the recipe is for, and "
+                              "search there (or a memory budget alone: BUDGET=, MAX_DAMAGE=).")
         # the budget holds at the low ends of the uniform speedups' intervals: a mix chosen
         # at their points would miss it about half the time
         opts = measured.timed(opts, table, {f: s.low for f, s in speed.items()})
@@ -256,8 +258,11 @@ def choose(table: SensitivityTable, settings: SearchSettings,
             raise ConfigError(f"BUDGET={settings.budget}: {limit:,} bytes do not even hold the "
                               f"weights no format changes ({fixed:,} bytes: embeddings, norms).")
         how = f"least predicted damage within {reads} = {limit:,} bytes of weights{fast}"
-        return (least_damage(opts, limit, fixed, max_time), how,
-                f"searched-{budgets.slug(settings.budget)}")
+        try:
+            found = least_damage(opts, limit, fixed, max_time)
+        except ConfigError as err:
+            raise budgets.unmet(settings.budget, str(err), left_out) from None
+        return found, how, f"searched-{budgets.slug(settings.budget)}"
     damage = float(settings.max_damage or 0)
     return (fewest_bytes(opts, damage - offset, fixed, max_time),
             f"fewest weight bytes with predicted damage <= {damage:g}{fast}",
@@ -283,7 +288,7 @@ def _speed_reachable(opts: dict[str, list[Option]], table: SensitivityTable,
 
 
 def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
-            left_out: dict[str, str]) -> tuple[Choice, str]:
+            left_out: dict[str, str], target: menus.Target) -> tuple[Choice, str]:
     """The second pass: every unit re-scored in the context of the first choice (its marginal
     damage in that mix, round-to-nearest, on the scan's text), the choice re-solved with those,
     and its prediction the re-solved mix's whole-model KL, measured at once (no additivity
@@ -298,7 +303,7 @@ def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
                                   progress=_progress(time.monotonic()))
     opts = {unit: [Option(d.format, d.bytes, d.kl_div_mean) for d in context if d.unit == unit]
             for unit in table.units}
-    again, _, _ = choose(table, settings, left_out, opts=opts, offset=mix)
+    again, _, _ = choose(table, settings, left_out, opts=opts, offset=mix, target=target)
     with _every_core():
         whole = whole_damage(model, table.units, again.formats, windows)
     changed = sum(again.formats[u] != first.formats[u] for u in table.units)
@@ -319,10 +324,11 @@ def run_search(settings: SearchSettings) -> Path:
         factors, calibrated = measured.calibration(table)
     else:
         factors, calibrated = {}, "not calibrated (--no-calibrate)"
-    choice, how, default_name = choose(table, settings, menu.left_out, factors)
+    choice, how, default_name = choose(table, settings, menu.left_out, factors,
+                                       target=menu.target)
     refined = ""
     if settings.refine:
-        choice, refined = _refine(table, settings, choice, menu.left_out)
+        choice, refined = _refine(table, settings, choice, menu.left_out, menu.target)
         how += ", re-solved with each unit re-scored in the first choice's context"
     raw = table.predicted(choice.formats)[1]
     if not menu.target.here:
@@ -335,7 +341,7 @@ def run_search(settings: SearchSettings) -> Path:
                           "Fix: NAME= another name.")
     counts = {fmt: sum(1 for f in choice.formats.values() if f == fmt) for fmt in table.formats}
     # a speed budget's prediction: at the uniform speedups' points and their intervals' ends
-    fast = measured.mix_speedup(choice.formats, table, measured.speeds(table)[0]) \
+    fast = measured.mix_speedup(choice.formats, table, measured.speeds(table, menu.target)[0]) \
         if settings.speedup else None
     record = measured.predictions_held(table.baseline["name"]) or (
         "no searched or uniform variant of this baseline measured against its prediction yet "
