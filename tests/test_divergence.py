@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipeline.core import heldout
+from pipeline.core import heldout, paths
 from pipeline.core.errors import ConfigError
 from pipeline.eval import divergence
 
@@ -133,3 +133,47 @@ def test_identical_models_scored_through_two_loads_flip_nothing(
     twin = score(base.name, Variant("copy", copy, "copy-identity"), tasks, lm.EMULATED, settings)
     (r,) = compare(tasks, ours, twin)["app_grammar"].values()
     assert r.n == 12 and r.flips == 0 and r.variant_score == r.baseline_score
+
+
+def test_transformers_run_in_bf16_only_where_it_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on a CPU without bf16 units (torch emulates bf16 there, ~4x slower)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(divergence.hardware, "torch_device", lambda: "cpu")
+    for flags, dtype in ((("avx2",), "float32"), (("avx2", "avx512f", "avx512_bf16"), "bfloat16"),
+                         (("avx2", "amx_tile", "amx_bf16"), "bfloat16")):
+        monkeypatch.setattr(divergence.hardware, "profile",
+                            lambda flags=flags: SimpleNamespace(cpu_flags=flags))
+        assert divergence.hf_dtype() == dtype
+    monkeypatch.setattr(divergence.hardware, "torch_device", lambda: "cuda")
+    assert divergence.hf_dtype() == "bfloat16"
+
+
+@pytest.mark.slow
+def test_an_fp4_checkpoint_runs_in_float32_with_its_layers_in_bf16(
+        workspace: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compressed-tensors de-compresses MXFP4 weights to bf16 whatever dtype is asked for: in
+    float32 its quantized layers compute in bf16, as the bf16 path does, and the rest in
+    float32; an FP8 checkpoint runs in float32 throughout."""
+    import torch
+
+    from pipeline.quantize import baseline as baselines
+    from pipeline.quantize import recipes
+    from pipeline.quantize import stage as quantize
+
+    base = baselines.resolve(str(tiny_model))
+    ids = torch.tensor([list(range(5, 69))])
+    for recipe, hooked in (("mxfp4", True), ("fp8", False)):
+        quantize.quantize(base, recipes.load(recipe))
+        variant = paths.variant_dir(base.name, recipe)
+        logits = {}
+        for dtype in ("bfloat16", "float32"):
+            monkeypatch.setattr(divergence, "hf_dtype", lambda dtype=dtype: dtype)
+            model = divergence.load_model(variant)
+            with torch.inference_mode():
+                logits[dtype] = model(ids).logits
+            assert any(m._forward_pre_hooks for m in model.modules()) == (
+                hooked and dtype == "float32")
+        assert logits["float32"].dtype == torch.float32
+        top = logits["bfloat16"].float().argmax(-1) == logits["float32"].argmax(-1)
+        assert float(top.float().mean()) > 0.9, recipe

@@ -111,7 +111,7 @@ def engine_for(model: Variant, settings: EvalSettings) -> EngineSettings:
 
 
 def hf_model_args(model: Variant) -> str:
-    return f"pretrained={paths.shown(model.path)},dtype={divergence.HF_DTYPE}"
+    return f"pretrained={paths.shown(model.path)},dtype={divergence.hf_dtype()}"
 
 
 def served_model_args(model: Variant, base_url: str, settings: EvalSettings) -> str:
@@ -288,7 +288,7 @@ def open_lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
     else:
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=str(model.path), dtype=divergence.HF_DTYPE,
+        lm = HFLM(pretrained=divergence.load_model(model.path), tokenizer=str(model.path),
                   batch_size=settings.batch_size, device=hardware.torch_device())
         try:
             yield lm, None, None

@@ -47,7 +47,7 @@ def task_key(model: Variant, task: suites.Task, backend: str, settings: EvalSett
                "engine": _engine_settings(settings, model) if backend == SERVED else None,
                # served numerics follow the kernels this hardware runs
                "hardware": hardware.profile().key() if backend == SERVED else None,
-               "hf_dtype": divergence.HF_DTYPE if backend == EMULATED else None}
+               "hf_dtype": divergence.hf_dtype() if backend == EMULATED else None}
     return content_key(payload)
 
 

@@ -89,7 +89,7 @@ def _divergences(base: baselines.Baseline, variants: list[Variant]
     model identity, held-out text and dtype."""
     div_dir = cache_root(base.name) / "divergence"
     # the figures depend on the text and on the dtype the models ran in
-    text = (f"{heldout.text_hash(heldout.heldout_text())}-{divergence.HF_DTYPE}-"
+    text = (f"{heldout.text_hash(heldout.heldout_text())}-{divergence.hf_dtype()}-"
             f"{divergence.device()}-after{heldout.SCAN_SPAN}")
     caches = {base.path: div_dir / f"{base.identity}-self-{text}.json",
               **{m.path: div_dir / f"{m.identity}-vs-{base.identity}-{text}.json"
