@@ -18,7 +18,7 @@ from pipeline.search import measured, stage
 from pipeline.search import menu as menus
 from pipeline.search import recipe as searched
 from pipeline.search import table as tables
-from pipeline.search.settings import SearchSettings
+from pipeline.search.settings import ScanOptions, SearchSettings
 from pipeline.search.solver import Choice, Option, fewest_bytes, least_damage
 from pipeline.search.units import fuse
 
@@ -321,6 +321,11 @@ def test_the_menu_is_the_deployment_targets_not_the_scanning_machines(
     with pytest.raises(ConfigError, match=r"BUDGET=1.15xfp8: fp8 is not in the menu: .*"
                        r"TARGET=h100-80gb"):
         stage.choose(table, SearchSettings(budget="1.15xfp8"), a100.left_out)
+    # refused before any scan is measured for it
+    monkeypatch.setattr(stage, "sensitivity", lambda *a, **k: pytest.fail("scanned"))
+    with pytest.raises(ConfigError, match=r"BUDGET=1.15xint4: int4 is not in the menu: .*"
+                       r"cpu_gemm_wna16.*TARGET=h100-80gb"):
+        stage.run_search(SearchSettings(budget="1.15xint4", scan=ScanOptions(target="cpu-avx2")))
     # a byte budget only a left-out format could meet: the same way out, with the reason
     int8_only = table.model_copy(update={
         "formats": ["int8", "bf16"], "damages": [d for d in table.damages if d.format != "int4"]})

@@ -29,17 +29,29 @@ def unmet(text: str, why: str, left_out: dict[str, str] | None) -> ConfigError:
                        + f". {TARGET_HINT}")
 
 
+def _multiple(text: str) -> re.Match[str] | None:
+    return re.fullmatch(r"(\d+(?:\.\d+)?)x([a-z0-9]+)", text.strip().lower().replace(" ", ""))
+
+
+def check_menu(text: str, left_out: dict[str, str]) -> None:
+    """Refuse a budget that is a multiple of a format the menu left out, and why (before a
+    scan is measured for a search that cannot run)."""
+    multiple = _multiple(text)
+    if multiple and multiple[2] in left_out:
+        fmt = multiple[2]
+        raise ConfigError(f"BUDGET={text}: {fmt} is not in the menu: {left_out[fmt]}. "
+                          f"{TARGET_HINT}")
+
+
 def parse(text: str, table: SensitivityTable,
           left_out: dict[str, str] | None = None) -> tuple[int, str]:
     """(budget in bytes of total weights, how it reads); ``left_out``: the formats the menu
     left out and why (said when the budget names one)."""
     spec = text.strip().lower().replace(" ", "")
-    multiple = re.fullmatch(r"(\d+(?:\.\d+)?)x([a-z0-9]+)", spec)
+    check_menu(text, left_out or {})
+    multiple = _multiple(text)
     if multiple:
         factor, fmt = float(multiple[1]), multiple[2]
-        if fmt in (left_out or {}):
-            raise ConfigError(f"BUDGET={text}: {fmt} is not in the menu: {left_out[fmt]}. "
-                              f"{TARGET_HINT}")
         if fmt not in table.formats:
             raise ConfigError(f"BUDGET={text}: {fmt} is not in the sensitivity table's menu "
                               f"({', '.join(table.formats)}). Use one of them, or {FORMS}.")

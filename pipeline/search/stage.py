@@ -316,6 +316,8 @@ def _refine(table: SensitivityTable, settings: SearchSettings, first: Choice,
 def run_search(settings: SearchSettings) -> Path:
     """``make search``: the table (measured if needed), the choice, ``recipes/<name>.yaml``."""
     menu = menus.resolve(settings.scan.formats, settings.scan.target)
+    if settings.budget is not None:
+        budgets.check_menu(settings.budget, menu.left_out)
     table = sensitivity(SensitivitySettings(baseline=settings.baseline, scan=settings.scan), menu)
     if settings.method == searched.RTN:
         factors, calibrated = {}, ("the damages as scanned: the checkpoint is quantized by the "
