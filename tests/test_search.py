@@ -599,6 +599,36 @@ def test_a_speed_budget_steers_away_from_formats_that_measured_slow(workspace: P
     assert both.bytes <= 430 and 1 / both.time >= 1.05
 
 
+def test_units_kept_unquantized_run_at_the_checkpoints_own_dtype(workspace: Path):
+    """On a CPU without bf16 units the reference is the baseline in float32, but a variant's
+    unquantized layers run in its own bf16: a bf16 unit is not 1x, it is the probe's bf16
+    against float32 (4.18x [2.85, 6.12] inverted), and a target no mix then reaches says so."""
+    from pipeline.core.artifacts import Comparison, PlanTarget, Row
+    from pipeline.report.reference import own_dtype_speedup
+
+    probe = {"point": 4.0, "low": 2.5, "high": 5.0}
+    ref = SimpleNamespace(reference={"dtype": "float32", "probe": {"float32_vs_bf16": probe}})
+    own = own_dtype_speedup(ref)  # type: ignore[arg-type]
+    assert own == {"point": 0.25, "low": 0.2, "high": 0.4}
+    assert own_dtype_speedup(SimpleNamespace(reference={"dtype": "bfloat16"})) == {}  # type: ignore[arg-type]
+    table = _sensitivity_table()
+    Comparison(baseline="toy", workload="chat", load_point=8, plan_target=PlanTarget(),
+               recommendation=None, reason="", hardware="an AVX2 CPU",
+               measurement={"hardware_key": "cpu-avx2"}, own_dtype_speedup=own,
+               rows=[Row(name="int8", recipe="int8", scheme="S", format="f", precision="int8",
+                         weight_bytes=1, weight_ratio=0.5, serving="ok",
+                         headline={"speedup": 0.55, "speedup_ci_low": 0.4,
+                                   "speedup_ci_high": 0.75})]
+               ).write(Comparison.directory("toy") / Comparison.FILE)
+    speed, basis = measured.speeds(table)
+    assert speed["bf16"] == measured.Speed(0.25, 0.2, 0.4)
+    assert "bf16 units at 0.25x [0.20, 0.40], the baseline in its own dtype" in basis
+    # every unit at int8 is the fastest mix, 0.55x [0.40, 0.75]: far from 1x, not 1x at bf16
+    with pytest.raises(ConfigError, match=r"fastest format \(int8\), is predicted 0.55x "
+                       r"\[0.40, 0.75\]\. Reachable: SPEEDUP=0.4"):
+        stage.choose(table, SearchSettings(speedup=0.9))
+
+
 def test_a_recipe_searched_for_another_machine_says_so_on_its_row():
     """The report's row of a searched variant names the target it was searched for, and that
     the figures shown are this machine's."""

@@ -734,6 +734,9 @@ class Comparison(Artifact):
     failures: list[Failure] = Field(default_factory=list)
     hardware: str = ""  # where the bench figures were measured (the machine's profile)
     measurement: dict[str, str] = Field(default_factory=dict)  # the reference bench run
+    # where the reference is served in another dtype than the checkpoints' own (float32 on a
+    # CPU without bf16 units): the baseline in its own dtype against it, point / low / high
+    own_dtype_speedup: dict[str, float] = Field(default_factory=dict)
     objective: Objective = "speed"
     plan_note: str = ""  # when the plan is not for the card the figures come from
     meta: dict[str, str] = Field(default_factory=dict)  # provenance: commit, versions, hardware

@@ -52,6 +52,7 @@ from pipeline.report.reference import (
     measurement_label,
     newest_capacity,
     one_objective,
+    own_dtype_speedup,
     reference_run,
     traffic,
 )
@@ -192,6 +193,7 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             row.cost = cost.figures(row, row.price.price_per_hour, cost_target)
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
+                      own_dtype_speedup=own_dtype_speedup(reference[1] if reference else None),
                       plan_target=target, cost_target=cost_target, price=priced,
                       traffic=traffic_of,
                       recommendation=best, reason=reason, sources=sources,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.bench.reference import FLOAT32
 from pipeline.core.artifacts import BenchSummary, Capacity, CostTarget, ModelBench, Price, Row
 from pipeline.core.variant import BASELINE
 from pipeline.report import cost, crossover
@@ -14,6 +15,20 @@ from pipeline.report import cost, crossover
 def holds(summary: BenchSummary, name: str, identity: str) -> ModelBench | None:
     entry = summary.models.get(name)
     return entry if entry is not None and entry.identity == identity else None
+
+
+def own_dtype_speedup(ref: BenchSummary | None) -> dict[str, float]:
+    """The baseline in the checkpoints' own dtype against a reference served in another (the
+    bench's probe of float32 against bf16 on a CPU without bf16 units, inverted): the speed a
+    variant's unquantized layers run at; {} where the reference is the checkpoints' dtype."""
+    if ref is None or ref.reference.get("dtype") != FLOAT32:
+        return {}
+    probe = (ref.reference.get("probe") or {}).get("float32_vs_bf16") or {}
+    point = probe.get("point")
+    if not point:
+        return {}
+    return {"point": round(1 / point, 4), "low": round(1 / (probe.get("high") or point), 4),
+            "high": round(1 / (probe.get("low") or point), 4)}
 
 
 def reference_run(summaries: list[tuple[Path, BenchSummary]], identities: dict[str, str],

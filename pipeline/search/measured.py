@@ -53,7 +53,10 @@ def speeds(table: SensitivityTable, target: Target | None = None
                     f"({comparison.hardware or 'not described'}), not on "
                     f"{target.described}, and a speed budget holds only on the machine its "
                     "speeds were measured on")
-    found = {KEEP: Speed(1.0, 1.0, 1.0)}
+    # a unit kept unquantized runs in the checkpoint's own dtype: the reference's speed,
+    # unless the reference is served in another (float32 on a CPU without bf16 units)
+    own = comparison.own_dtype_speedup
+    found = {KEEP: Speed(own["point"], own["low"], own["high"]) if own else Speed(1.0, 1.0, 1.0)}
     for row in comparison.rows:
         if row.name in table.formats and row.name != KEEP and row.comparable \
                 and row.serving == "ok" and row.speedup:
@@ -66,7 +69,9 @@ def speeds(table: SensitivityTable, target: Target | None = None
     return found, (f"the uniform variants' measured speedups at {comparison.workload} "
                    f"concurrency {comparison.load_point} in the newest comparison"
                    f"{f' ({when})' if when else ''}, on {where}: "
-                   + ", ".join(f"{f} {x.text()}" for f, x in found.items() if f != KEEP))
+                   + ", ".join(f"{f} {x.text()}" for f, x in found.items() if f != KEEP)
+                   + (f"; {KEEP} units at {found[KEEP].text()}, the baseline in its own dtype "
+                      "against the reference served in float32" if own else ""))
 
 
 def _shares(table: SensitivityTable) -> dict[str, float]:
