@@ -40,9 +40,9 @@ def speeds(table: SensitivityTable, target: Target | None = None
            ) -> tuple[dict[str, Speed], str]:
     """Per format, the uniform variant's measured speedup over the baseline at the newest
     comparison's headline load point, with its interval (on the engine that served it; bf16
-    is 1, or the baseline's own dtype against a float32 reference), and where from. A format no comparison served is not in it; none is where the
-    comparison was not measured on a machine of ``target``'s kind (its speeds are another
-    machine's)."""
+    is 1, or the baseline's own dtype against a float32 reference), and where from. A format
+    no comparison served is not in it; none is where the comparison was not measured on a
+    machine of ``target``'s kind (its speeds are another machine's)."""
     comparison = _newest(table)
     if comparison is None:
         return {}, "no comparison of this baseline yet (make all RECIPE=\"int4 int8\")"
