@@ -44,6 +44,8 @@ from typing import Any
 import psutil
 import pytest
 
+from pipeline.core import procs
+
 POSTGRES_ENV = "QPIPE_TEST_POSTGRES_URI"
 REQUIRE_ENV = "QPIPE_REQUIRE_SERVICES"
 CHROMIUM = "/usr/bin/chromium"
@@ -148,7 +150,8 @@ def _run_chromium(chromium: str, args: list[str], timeout: float) -> str:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end just after the timeout
+                os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             raise AssertionError(f"chromium did not finish in {timeout:g} s: {' '.join(command)}"
                                  f"\n{_tail(err)}") from None
@@ -216,24 +219,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_group(pgid: int) -> list[psutil.Process]:
-    """The live processes of process group ``pgid``."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
+process_group = procs.group
 
 
 def _describe(processes: Any) -> list[str]:
-    described = []
-    for p in processes:
-        try:
-            described.append(f"{p.pid}: {' '.join(p.cmdline())[:200]}")
-        except psutil.Error:
-            described.append(f"{p.pid}: (gone)")
-    return described
+    return [f"{p.pid}: {procs.command_line(p)[:200] or '(gone)'}" for p in processes]
 
 
 def _get(url: str, timeout: float = 5) -> str:
@@ -286,9 +276,7 @@ def mlflow_server(backend_store_uri: str, artifacts_dir: str | os.PathLike[str],
                     raise AssertionError(f"mlflow server did not answer on {base_url}/health "
                                          f"in {startup_timeout:g} s\n{server_log()}")
                 time.sleep(0.25)
-            with contextlib.suppress(psutil.Error):
-                family = [psutil.Process(proc.pid),
-                          *psutil.Process(proc.pid).children(recursive=True)]
+            family = procs.family(proc)
             yield base_url
         finally:
             if proc.poll() is None:

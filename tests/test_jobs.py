@@ -6,10 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from pipeline.campaign import jobs
+from pipeline.core import procs
 
 
 def _job(tmp_path: Path, label: str, code: str) -> jobs.Job:
@@ -51,8 +51,7 @@ def test_the_first_failure_stops_the_others_and_names_the_log(tmp_path: Path) ->
     assert str(bad.log) in str(failed.value)
     assert "broken input" in bad.tail()
     assert slow.proc is not None and slow.proc.poll() is not None
-    assert not psutil.pid_exists(slow.proc.pid) or psutil.Process(slow.proc.pid).status() == \
-        psutil.STATUS_ZOMBIE
+    assert procs.exited(slow.proc.pid)
     assert never.proc is None  # not started after the failure
 
 

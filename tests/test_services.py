@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.core import procs
 from tests import services
 
 postgres_uri = services.postgres_uri
@@ -129,7 +130,10 @@ def test_mlflow_server_serves_nested_runs_over_rest_and_stops_cleanly(tmp_path: 
         port = int(url.rsplit(":", 1)[1])
         server = next(c for c in psutil.net_connections("tcp")
                       if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
-        pgid = os.getpgid(server.pid)
+        try:
+            pgid = os.getpgid(server.pid)
+        except ProcessLookupError:
+            pytest.fail(f"the mlflow server listening on {port} exited while serving")
         assert pgid != os.getpgid(0), "the server runs in a process group of its own"
 
         runs = {r["run_name"]: r for r in map(services.rest_run_summary,
@@ -145,7 +149,7 @@ def test_mlflow_server_serves_nested_runs_over_rest_and_stops_cleanly(tmp_path: 
         with pytest.raises(AssertionError, match="HTTP 404"):
             services.rest_search_runs(url, "qpipe/no-such-experiment")
     assert services.process_group(pgid) == []
-    assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == "zombie"
+    assert procs.exited(server.pid)
 
 
 def _png_size(path: Path) -> tuple[int, int]:

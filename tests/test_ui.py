@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.core import paths
+from pipeline.core import paths, procs
 from pipeline.report.ui import port_is_free
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,12 @@ def test_ui_serves_the_store_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None
             except OSError:
                 time.sleep(0.5)
         assert any(e["name"] == "Default" for e in body["experiments"])
-        family = psutil.Process(proc.pid).children(recursive=True)
+        family = procs.family(proc)[1:]
         assert family, "the server runs as a child process"
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert "[ui] stopped" in out
     _, alive = psutil.wait_procs(family, timeout=10)
-    assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+    assert not alive, f"left behind: {[procs.command_line(p) for p in alive]}"
     assert port_is_free(port)

@@ -4,6 +4,12 @@ vLLM servers, the benchmark client, quantize jobs and the MLflow UI all start th
 :func:`start` and stop through :func:`stop`: SIGTERM to the group, SIGKILL to what is left after
 a timeout, then any child that left the group. With ``die_with_parent`` the kernel sends the
 child SIGTERM if qpipe itself dies (PR_SET_PDEATHSIG), so no server outlives a run.
+
+A process listed (a group, a family, every process) may exit before the next call on it: the
+functions here that ask the OS about listed processes (:func:`family`, :func:`group`,
+:func:`command_line`, :func:`exited`) treat a process that is gone as not there, never as an
+error. Tests and stages ask through them (``tests/test_procs.py`` checks that nothing else
+calls the OS on a listed process unguarded).
 """
 
 from __future__ import annotations
@@ -52,13 +58,40 @@ def start(argv: Sequence[str], *, log: Path | None = None, env: Mapping[str, str
             handle.close()
 
 
-def family(proc: subprocess.Popen[Any]) -> list[psutil.Process]:
-    """The process and every process it started."""
+def family(proc: subprocess.Popen[Any] | int) -> list[psutil.Process]:
+    """The process (a ``Popen`` or a pid) and every process it started; [] once it is gone."""
     try:
-        root = psutil.Process(proc.pid)
+        root = psutil.Process(proc if isinstance(proc, int) else proc.pid)
         return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    except psutil.Error:
         return []
+
+
+def group(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group ``pgid`` (zombies are not live: they hold no
+    resource but their pid); one that exits while it is being listed is not in it."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def command_line(proc: psutil.Process) -> str:
+    """The process's command line joined by spaces; "" once it is gone (or not ours to read)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def terminate(proc: subprocess.Popen[Any] | None) -> None:
