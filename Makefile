@@ -125,7 +125,7 @@ SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SL
 COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 
-.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast lint clean sensitivity search calibrate
+.PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast test-repeat lint clean sensitivity search calibrate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -137,6 +137,7 @@ help: ## list the targets
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"
 	@echo "             VLLM_CPU_ISA=avx2 (serve with vLLM CPU's AVX2 kernels on any x86 CPU)"
 	@echo "             RUNS FAST=1 (calibrate: draws per scenario, the fast subset)"
+	@echo "             N TESTS (test-repeat: runs, the tests; PYTEST_ARGS= adds to each)"
 
 $(PIPELINE_STAMP): requirements/pipeline.txt requirements/embedded.txt pyproject.toml scripts/setup.sh
 	@scripts/setup.sh pipeline
@@ -237,15 +238,27 @@ ui: $(PIPELINE_STAMP) ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) (Ctrl-
 	@$(QPIPE) ui --port $(MLFLOW_PORT)
 
 test: $(PIPELINE_STAMP) $(SERVE_STAMP) $(RAY_STAMP) lint ## everything: unit, end-to-end on a tiny model, embedded model (what CI runs)
-	@# the Ray tests alone, after the rest: beside the other worker they met a Ray cluster
-	@# not theirs; either run may select nothing under PYTEST_ARGS=-k ... (pytest's exit 5)
-	@$(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup --ignore=tests/test_ray.py \
-	  $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	@$(VENV)/bin/python -m pytest tests/test_ray.py $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@# PYTEST_ARGS=-k ... may select nothing (pytest's exit 5)
+	@$(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: $(PIPELINE_STAMP) lint ## unit tests only (under 3 minutes): no model, no server, no service
 	@$(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup \
 	  -m "not slow and not serve and not embedded and not services" $(PYTEST_ARGS)
+
+# make test-repeat N=5: the tests most exposed to timing (faults, services, servers, processes)
+# N times, each a fresh pytest session on TEST_JOBS workers, and how many of the N passed;
+# TESTS= picks others (TESTS=tests: the whole suite), PYTEST_ARGS= adds to each run
+N             ?= 3
+TESTS         ?= tests/test_faults.py tests/test_bench_faults.py tests/test_services.py \
+  tests/test_serve.py tests/test_procs.py tests/test_jobs.py tests/test_ui.py tests/test_too_slow.py
+test-repeat: $(PIPELINE_STAMP) $(SERVE_STAMP) ## TESTS N times in a row (N=3): how often they pass, to see flakiness before it lands
+	@passed=0; failed=""; for i in $$(seq 1 $(N)); do \
+	  echo "[test-repeat] run $$i of $(N): $(TESTS) $(PYTEST_ARGS)"; \
+	  if $(VENV)/bin/python -m pytest -n $(TEST_JOBS) --dist loadgroup -p no:cacheprovider \
+	      $(TESTS) $(PYTEST_ARGS); then passed=$$((passed + 1)); else failed="$$failed $$i"; fi; \
+	done; \
+	echo "[test-repeat] $$passed of $(N) runs passed$${failed:+ (failed:$$failed)}"; \
+	[ $$passed -eq $(N) ]
 
 lint: $(PIPELINE_STAMP) ## ruff, and the layer contract (no stage imports one above it)
 	@$(VENV)/bin/ruff check pipeline tests scripts

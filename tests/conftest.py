@@ -51,14 +51,34 @@ SLOW_FIXTURES = {"tiny_model"}
 SERVICE_FIXTURES = {"postgres_uri", "chromium_path", "mlflow_server"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark by what a test uses, so `make test-fast` cannot pick up a slow one by omission."""
+# marks a grouped test that pytest-xdist did not put in its group (it then fails at once)
+GROUP_LOST = "qpipe_group_lost"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which names each test's group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark by what a test uses, so `make test-fast` cannot pick up a slow one by omission;
+    under ``--dist loadgroup``, mark each grouped test that did not get its group."""
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if used & SLOW_FIXTURES:
             item.add_marker(pytest.mark.slow)
         if used & SERVICE_FIXTURES:
             item.add_marker(pytest.mark.services)
+        if config.getoption("loadgroup", False) and item.get_closest_marker("xdist_group") \
+                and "@" not in item.nodeid:  # xdist appends "@<group>" in each worker
+            item.add_marker(GROUP_LOST)
+
+
+@pytest.fixture(autouse=True)
+def _in_its_group(request: pytest.FixtureRequest) -> None:
+    """Fail a grouped test that pytest-xdist did not put in its group, before it starts."""
+    if request.node.get_closest_marker(GROUP_LOST):
+        pytest.fail(f"pytest-xdist did not put this test in its xdist_group under --dist "
+                    f"loadgroup (pytest {pytest.__version__} with this pytest-xdist): grouped "
+                    "tests would run at once on two workers (two Ray clusters, too many vLLM "
+                    "servers). Install the pinned pytest: pip install -r "
+                    "requirements/pipeline.txt", pytrace=False)
 
 
 @pytest.fixture

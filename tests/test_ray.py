@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.core import procs
 from pipeline.core.artifacts import Comparison
 from tests import services
 from tests.conftest import TINY_CAMPAIGN, TINY_LOAD, run_cli
@@ -49,9 +50,23 @@ def _ray_processes() -> list[psutil.Process]:
     return out
 
 
+def _described(found: list[psutil.Process]) -> str:
+    """Each process as pid, parent, state, age, name and command line (what matched)."""
+    now = time.time()
+    lines = []
+    for p in found:
+        try:
+            age = now - p.create_time()
+            lines.append(f"{p.pid} (parent {p.ppid()}, {p.status()}, {age:.0f} s old) "
+                         f"{p.name()}: {procs.command_line(p)[:300]}")
+        except psutil.Error:
+            lines.append(f"{p.pid}: gone")
+    return "\n".join(lines)
+
+
 def _qpipe_children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "pipeline.cli" in " ".join(p.cmdline()) or "vllm" in " ".join(p.cmdline())]
+            if "pipeline.cli" in (line := procs.command_line(p)) or "vllm" in line]
 
 
 @pytest.fixture
@@ -62,9 +77,9 @@ def ray_cluster() -> Iterator[str]:
     deadline = time.monotonic() + 30  # a previous test's `ray stop` may still be finishing
     while _ray_processes() and time.monotonic() < deadline:
         time.sleep(1)
-    if _ray_processes():
-        pytest.fail("a Ray cluster is already running on this machine; `ray stop` it first",
-                    pytrace=False)
+    if found := _ray_processes():
+        pytest.fail("a Ray cluster is already running on this machine; `ray stop` it first:\n"
+                    + _described(found), pytrace=False)
     port = _free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--num-cpus=1", "--num-gpus=0", f"--resources={SLOT}", "--disable-usage-stats"]
@@ -79,7 +94,8 @@ def ray_cluster() -> Iterator[str]:
         deadline = time.monotonic() + 30
         while _ray_processes() and time.monotonic() < deadline:
             time.sleep(1)
-        assert not _ray_processes(), "Ray processes left after `ray stop`"
+        assert not (left := _ray_processes()), ("Ray processes left after `ray stop`:\n"
+                                                + _described(left))
 
 
 def _comparable(snapshot: dict) -> dict:
