@@ -57,9 +57,13 @@ SLO_ITL_MS    ?=
 # the unquantized serving every speedup is against: auto (float32 probed against bf16 on a CPU
 # without native bf16) or a dtype (bfloat16, float32: not probed)
 REFERENCE     ?=
-# cost: USD per hour of the measuring machine (default: the campaign's cost: block), and a
-# target load to size for (concurrent users or requests per second)
-PRICE_PER_HOUR ?=
+# cost: USD per device-hour, times the devices (TP x PP GPUs, or the host) of the run that
+# measured each capacity (default: the campaign's cost: block), and a target load to size for
+# (concurrent users or requests per second)
+PRICE_PER_DEVICE_HOUR ?=
+ifneq ($(PRICE_PER_HOUR),)
+$(error PRICE_PER_HOUR= is now PRICE_PER_DEVICE_HOUR=: USD per device-hour, multiplied by the TP x PP GPUs of the run that measured each capacity)
+endif
 TARGET_USERS  ?=
 TARGET_RPS    ?=
 # precision search: the machine the recipe is for (an accelerator preset, cpu-avx2, cpu-avx512;
@@ -122,7 +126,7 @@ ENGINE_OPTS = $(call opt,--max-model-len,$(MAX_MODEL_LEN)) $(call opt,--kv-cache
   $(foreach a,$(VLLM_ARGS),--vllm-arg=$(a))
 SLO_OPTS = $(call opt,--slo-ttft-ms,$(SLO_TTFT_MS)) $(call opt,--slo-itl-ms,$(SLO_ITL_MS)) \
   $(call opt,--reference,$(REFERENCE))
-COST_OPTS = $(call opt,--price-per-hour,$(PRICE_PER_HOUR)) \
+COST_OPTS = $(call opt,--price-per-device-hour,$(PRICE_PER_DEVICE_HOUR)) \
   $(call opt,--target-users,$(TARGET_USERS)) $(call opt,--target-rps,$(TARGET_RPS))
 
 .PHONY: help all compare setup doctor quantize recipes baseline bench eval gate suites plan ui test test-fast test-repeat lint clean sensitivity search calibrate
@@ -131,7 +135,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RECIPE BASELINE FORCE=1 ARTIFACTS QUICK=1 CAMPAIGN WORKLOAD REPEATS SUITE LIMIT"
 	@echo "             BACKEND THRESHOLD GATE_LEVEL PLAN_GPU PLAN_CONTEXT OBJECTIVE QUANTIZE_JOBS CALIB_SAMPLES"
-	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_HOUR TARGET_USERS TARGET_RPS"
+	@echo "             SLO_TTFT_MS SLO_ITL_MS PRICE_PER_DEVICE_HOUR TARGET_USERS TARGET_RPS"
 	@echo "             FORMATS SCAN_TOKENS BUDGET MAX_DAMAGE SPEEDUP NAME REFINE=1 METHOD (sensitivity, search)"
 	@echo "             EXECUTOR=ray RAY_ADDRESS RAY_RESOURCES (make all on a Ray cluster)"
 	@echo "             CALIB_SEQ_LEN CALIB_DATA MAX_MODEL_LEN KV_CACHE_GIB GPU_UTIL TP PP VLLM_ARGS"

@@ -17,6 +17,10 @@ from pipeline.core.errors import Interrupted, QpipeError
 from pipeline.core.settings import add_options, from_args
 from pipeline.registry import BY_NAME, STAGES
 
+# options that were renamed: refused with the new name, never silently dropped
+RENAMED = {"--price-per-hour": "--price-per-device-hour (USD per device-hour, times the "
+                               "TP x PP GPUs of the run that measured each capacity)"}
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s settings are imported to add its options."""
@@ -34,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # SIGTERM takes the same clean-up path as Ctrl-C: temp dirs removed, servers stopped.
     interrupts.install()
+    for given in argv:
+        if (old := given.split("=", 1)[0]) in RENAMED:
+            print(f"qpipe: {old} is now {RENAMED[old]}", file=sys.stderr)
+            return 2
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     stage = BY_NAME[args.command]
     try:

@@ -100,10 +100,10 @@ def test_the_command_line_sets_the_objective_and_cost_of_a_campaign() -> None:
     from pipeline.core.settings import from_options
 
     settings = from_options(CampaignSettings, slo_ttft_ms=300, slo_itl_ms=80, objective="cost",
-                            price_per_hour=1.5, target_users=40)
+                            price_per_device_hour=1.5, target_users=40)
     file = settings.file()
-    assert file.cost.price_per_hour == 1.5 and file.cost.target_users == 40
-    assert file.cost.host_price_per_hour == 0.10  # the file's, not overridden
+    assert file.cost.price_per_device_hour == 1.5 and file.cost.target_users == 40
+    assert file.cost.host_price_per_device_hour == 0.10  # the file's, not overridden
     _, bench, _ = stages(settings, file)
     assert bench is not None and (bench.slo_ttft_ms, bench.slo_itl_ms) == (300, 80)
     assert "capacity" in bench.workloads  # the cost objective runs the capacity search

@@ -138,18 +138,20 @@ def test_capacity_objective_takes_the_most_requests_at_the_plan_target() -> None
 
 
 def _searched(row: Row, tps: float, censored: bool = False) -> Row:
-    """A capacity of 8 users at ``tps`` (runs 0.9-1.1x), 1.2x at the first load shown to miss,
-    priced at $0.36/h."""
+    """A capacity of 8 users [8-9] at ``tps``, 0.9x at the interval's low end and 1.2x at its
+    high end (the cost's dearest and cheapest), priced at $0.36/h."""
+    price = Price(price_per_hour=0.36, price_per_device_hour=0.36, example=True, source="test")
     row.capacity = {"workload": "capacity", "objective": "o", tracking.SLO_MAX_CONCURRENCY: 8,
+                    "outcome": "censored" if censored else "estimated", "censored": censored,
                     tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
-                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": 0.9 * tps,
-                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": 1.1 * tps,
-                    tracking.SLO_REQUESTS_PER_S: tps / 16, "censored": censored,
-                    "capacity_high": None if censored else 9,
+                    tracking.SLO_REQUESTS_PER_S: tps / 16, "price": price,
+                    tracking.SLO_CAPACITY_LOW: 8, tracking.SLO_CAPACITY_HIGH: None if censored
+                    else 9,
                     **({} if censored else {
-                        tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_first_miss": 1.2 * tps})}
-    row.price = Price(price_per_hour=0.36, example=True, source="test")
-    row.cost = cost.figures(row, 0.36, CostTarget())
+                        tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_low": 0.9 * tps,
+                        tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_high": 1.2 * tps})}
+    row.price = price
+    row.cost = cost.figures(row, CostTarget(), price)
     return row
 
 
@@ -175,9 +177,9 @@ def test_cost_objective_takes_the_cheapest_variant_shown_cheaper_than_the_baseli
         "dearer than the baseline: $4.17 at least against its $2.78 at most" in reason
     # a censored baseline's cost is only a bound: nothing is shown cheaper than it
     bound = _searched(_baseline(), 40.0, censored=True)
-    assert bound.cost.cost_bound == "upper" and cost.range_text(bound.cost) == "<= $2.78"
+    assert bound.cost.cost_bound == "upper" and cost.range_text(bound.cost) == "<= $2.50"
     best, reason = recommend([bound, cheap], "cost")
-    assert best is None and "its cost is only an upper bound (<= $2.78)" in reason
+    assert best is None and "its cost is only an upper bound (<= $2.50)" in reason
     # without a capacity at the objective there is no cost, and no recommendation for it
     close.cost = {}
     best, reason = recommend([base, close], "cost")
@@ -265,15 +267,15 @@ def test_a_capacity_search_alone_does_not_displace_the_sweep_as_the_reference() 
         capacity={"workload": "capacity", "objective": "o", "slo_max_concurrency": 12,
                   "bounds": {"ttft_ms_p99": 500.0}})}
     row = _row("int8", 1.2, gate.PASS)
-    prices: dict = {}
-    reference.newest_capacity(row, "E", [search, sweep], "cpu-x", prices, CostTarget())
-    assert prices["int8"].example and prices["int8"].price_per_hour == 0.10
+    reference.newest_capacity(row, "E", [search, sweep], "cpu-x", CostTarget())
+    assert row.capacity.price is not None and row.capacity.price.example
+    assert row.capacity.price.price_per_hour == 0.10
     assert row.capacity.slo_max_concurrency == 12
     assert row.capacity.curve == {12: {"ttft_ms_p99": 480.0}}
     assert row.notes == ["capacity at the objective (concurrency) from bench search "
                          "(2026-11-30T21:51:10+00:00)"]
     other = _row("int8", 1.2, gate.PASS)  # measured on other hardware: not used
-    reference.newest_capacity(other, "E", [search, sweep], "cuda-h100", {}, CostTarget())
+    reference.newest_capacity(other, "E", [search, sweep], "cuda-h100", CostTarget())
     assert other.capacity is None and other.notes == []
 
 
@@ -511,3 +513,34 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
         compare.collect(record.ref())
     with pytest.raises(ConfigError, match="no baseline 'other'"):
         BaselineRecord.find("other")
+
+
+def test_a_capacity_from_another_run_is_priced_on_the_devices_that_run_used() -> None:
+    """The speed run served on one H100, the capacity search on four (TP=4): the capacity's
+    cost is four device-hours an hour, not the speed run's one."""
+    def on(count: int) -> BenchSummary:
+        summary = _summary({"baseline": "B", "int8": "E"}, "cuda-h100")
+        summary.devices = {"unit": "gpu", "kind": "NVIDIA H100 80GB HBM3",
+                           "memory_mib": 81559, "count": count, "mig": False}
+        return summary
+    search = on(4)
+    search.models["int8"].workloads = {"capacity": WorkloadFigures(
+        points={12: {"output_tokens_per_s": 300.0}},
+        capacity={"workload": "capacity", "objective": "o", "outcome": "estimated",
+                  "slo_max_concurrency": 12, "slo_capacity_low": 10, "slo_capacity_high": 14,
+                  "slo_output_tokens_per_s": 300.0, "slo_output_tokens_per_s_at_low": 250.0,
+                  "slo_output_tokens_per_s_at_high": 350.0})}
+    target = CostTarget(price_per_device_hour=3.0)
+    speed_price = cost.price_of(target, cost.devices_of(on(1)))
+    row = _row("int8", 1.2, gate.PASS)
+    reference.newest_capacity(row, "E", [(Path("search/summary.json"), search)], "cuda-h100",
+                              target)
+    assert row.capacity is not None and row.capacity.price is not None
+    assert (row.capacity.price.price_per_hour, row.capacity.price.devices) == (12.0, 4)
+    figures = cost.figures(row, target, speed_price)
+    assert figures is not None and figures.price_per_hour == 12.0
+    assert figures.usd_per_million_output_tokens == pytest.approx(
+        cost.per_million_tokens(12.0, 300.0))
+    assert figures.usd_per_million_output_tokens_max == pytest.approx(
+        cost.per_million_tokens(12.0, 250.0))
+    assert cost.capacity_price(row, speed_price) == row.capacity.price

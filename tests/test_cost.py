@@ -13,11 +13,13 @@ from pipeline.report import cost, crossover
 def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = None) -> Row:
     row = Row(name="int8", recipe="int8", scheme="S", format="int-quantized", precision="int8",
               weight_bytes=1, weight_ratio=0.5, serving="ok")
-    row.capacity = {"workload": "capacity", "objective": "o",
+    row.capacity = {"workload": "capacity", "objective": "o", "outcome": "estimated",
                     tracking.SLO_MAX_CONCURRENCY: max_concurrency,
+                    tracking.SLO_CAPACITY_LOW: max(max_concurrency - 2, 0),
+                    tracking.SLO_CAPACITY_HIGH: max_concurrency + 3,
                     tracking.SLO_OUTPUT_TOKENS_PER_S: tps,
-                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_min": tps * 0.8,
-                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_max": tps * 1.25,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_low": tps * 0.8,
+                    tracking.SLO_OUTPUT_TOKENS_PER_S + "_at_high": tps * 1.25,
                     tracking.SLO_REQUESTS_PER_S: rps}
     if planned:
         from tests.test_compare import planned as plan_of
@@ -26,20 +28,26 @@ def _row(max_concurrency: int, tps: float, rps: float, planned: int | None = Non
     return row
 
 
+def _price(per_hour: float, devices: int = 1) -> Price:
+    return Price(price_per_hour=per_hour, price_per_device_hour=per_hour / devices,
+                 devices=devices, example=False, source="test")
+
+
 def test_cost_per_million_tokens_by_hand():
     # $3.00 an hour at 500 tokens/s: 1.8 M tokens an hour, so $1.666... per million
     assert cost.per_million_tokens(3.0, 500.0) == pytest.approx(3.0 / 1.8)
-    figures = cost.figures(_row(10, 500.0, 30.0), 3.0, CostTarget())
+    figures = cost.figures(_row(10, 500.0, 30.0), CostTarget(), _price(3.0))
     assert figures is not None
     assert figures.usd_per_million_output_tokens == pytest.approx(1.6667, abs=1e-4)
-    # the slowest repeat (400 tok/s) is the dearest: $2.083; the fastest (625) $1.333
+    # the slowest run at the interval's low end (400 tok/s) is the dearest: $2.083; the
+    # fastest at its high end (625) $1.333
     assert figures.usd_per_million_output_tokens_max == pytest.approx(3.0 / 1.44)
     assert figures.usd_per_million_output_tokens_min == pytest.approx(3.0 / 2.25)
 
 
 def test_machines_for_a_target_load_round_up_and_say_what_is_planned():
     target = CostTarget(target_users=105, target_rps=61.0)
-    figures = cost.figures(_row(10, 500.0, 30.0, planned=40), 3.0, target)
+    figures = cost.figures(_row(10, 500.0, 30.0, planned=40), target, _price(3.0))
     assert figures is not None
     assert figures.machines_for_target_users == 11  # 105 users / 10 per machine
     assert figures.machines_for_target_rps == 3  # 61 req/s / 30 per machine
@@ -47,9 +55,9 @@ def test_machines_for_a_target_load_round_up_and_say_what_is_planned():
 
 
 def test_no_capacity_at_the_objective_means_no_cost():
-    assert cost.figures(_row(0, 0.0, 0.0), 3.0, CostTarget(target_users=5)) is None
+    assert cost.figures(_row(0, 0.0, 0.0), CostTarget(target_users=5), _price(3.0)) is None
     assert cost.figures(Row(name="x", recipe="x", scheme="S", format="f", precision="p",
-                            weight_bytes=1, weight_ratio=1.0), 3.0, CostTarget()) is None
+                            weight_bytes=1, weight_ratio=1.0), CostTarget(), _price(3.0)) is None
 
 
 FACTS = {"machine": "x86_64", "cpu_model": "x", "cores": 2, "cpu_flags": (),
@@ -62,19 +70,38 @@ def test_an_eight_gpu_hosts_tp1_run_is_priced_as_one_gpu_and_tp4_as_four():
     one = hardware.serving_devices(node, 1, 1)
     assert one["count"] == 1 and one["host_gpus"] == 8 and not one["mig"]
     priced = cost.price_of(CostTarget(), one)
-    assert priced.price_per_hour == 3.0 and priced.example
-    assert "1 x h100-80gb's example price_per_hour" in priced.source
-    assert cost.price_of(CostTarget(), hardware.serving_devices(node, 2, 2)
-                         ).price_per_hour == 12.0
-    # the user's own price is theirs, not an example; a CPU host gets the host figure
-    assert cost.price_of(CostTarget(price_per_hour=7.0), one) == Price(
-        price_per_hour=7.0, example=False,
-        source="PRICE_PER_HOUR / the campaign's cost.price_per_hour")
+    assert priced.price_per_hour == 3.0 and priced.example and priced.devices == 1
+    assert "1 x h100-80gb's example price_per_device_hour" in priced.source
+    four = cost.price_of(CostTarget(), hardware.serving_devices(node, 2, 2))
+    assert four.price_per_hour == 12.0 and four.devices == 4
+    assert cost.price_text(four) == "$12/h (4 x $3 per device-hour) example price"
+
+
+def test_a_price_set_is_per_device_hour_and_a_tp4_server_pays_four():
+    # one unit on every path: the user's price is per device, times the run's TP x PP GPUs
+    node = Profile(target="cuda", **FACTS, gpus=(H100,) * 8)
+    one = cost.price_of(CostTarget(price_per_device_hour=3.0), hardware.serving_devices(node))
+    tp4 = cost.price_of(CostTarget(price_per_device_hour=3.0),
+                        hardware.serving_devices(node, 4, 1))
+    assert (one.price_per_hour, one.devices, one.example) == (3.0, 1, False)
+    assert (tp4.price_per_hour, tp4.devices) == (12.0, 4)
+    assert tp4.source.startswith("4 x PRICE_PER_DEVICE_HOUR")
+    assert cost.price_text(tp4) == "$12/h (4 x $3 per device-hour)"
+    # the preset path prices the same server the same: $3 per H100-hour either way
+    assert cost.price_of(CostTarget(), hardware.serving_devices(node, 4, 1)
+                         ).price_per_hour == tp4.price_per_hour
+    # a CPU host is one device, priced by the host figure
     host = hardware.serving_devices(Profile(target="cpu", **FACTS))
     assert host["unit"] == "host" and host["count"] == 1
-    assert cost.price_of(CostTarget(host_price_per_hour=0.2), host).price_per_hour == 0.2
+    assert cost.price_of(CostTarget(host_price_per_device_hour=0.2), host
+                         ).price_per_hour == 0.2
     assert cost.price_text(cost.price_of(CostTarget(), host)) == "$0.1/h example price"
-    assert cost.price_text(cost.price_of(CostTarget(price_per_hour=7.0), host)) == "$7/h"
+
+
+@pytest.mark.parametrize("old", ["price_per_hour", "host_price_per_hour"])
+def test_the_old_price_names_are_refused_naming_the_new(old):
+    with pytest.raises(ValueError, match=f"{old} is now {old.replace('hour', 'device_hour')}"):
+        CostTarget.model_validate({old: 3.0})
 
 
 def test_a_mig_slice_says_it_is_priced_as_the_whole_gpu(monkeypatch):

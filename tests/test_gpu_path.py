@@ -122,6 +122,32 @@ def test_kv_cache_on_a_gpu_is_planned_from_the_budget_the_engine_logged(tmp_path
     assert bare.engine["kv_budget_source"].startswith("unknown")
 
 
+def test_a_model_the_planner_refuses_is_a_note_in_bench_not_its_end(tmp_path: Path) -> None:
+    """A hybrid whose layers the planner does not know: the engine's own figures are kept,
+    the planned comparison is left out with the planner's reason, and the bench goes on."""
+    hybrid = {**LLAMA_8B, "layer_types": ["full_attention", "mamba"] * 16}
+    (tmp_path / "config.json").write_text(json.dumps(hybrid))
+    engine = capacity.predict_vllm_kv_cache(LLAMA_8B, int(22.47 * 2**30), block_size=16,
+                                            kv_dtype="bf16", max_model_len=2048)
+    record = measure.ModelRecord(Variant("fp8", tmp_path, "id", "float-quantized"))
+    measure.record_engine(record, _FakeServer(_cache_config_info(engine), A100_FP8_LOG),  # type: ignore[arg-type]
+                          EngineSettings(max_model_len=2048))
+    assert record.kv[tracking.KV_CACHE_TOKENS] == engine.kv_cache_tokens  # the engine's own
+    assert tracking.KV_CACHE_TOKENS_VS_PLANNED not in record.kv
+    note = record.engine["plan_note"]
+    assert note.startswith("not planned, so not checked against the engine: ")
+    assert "layer 1 of the model config is of type 'mamba'" in note
+    # the bench's table and the comparison's row say it
+    from pipeline.bench.table import format_table
+    from pipeline.bench.workloads import load as load_workload
+    from pipeline.core.artifacts import BenchSummary, ModelBench
+
+    entry = ModelBench(recipe="fp8", status="ok", identity="id", format="float-quantized",
+                       kv=record.kv, engine=record.engine)
+    summary = BenchSummary(baseline="b", target="cuda", models={"fp8": entry})
+    assert "fp8        plan: not planned" in format_table(summary, [load_workload("chat")])
+
+
 def test_at_tp_2_each_workers_budget_holds_its_share_of_the_kv_heads(tmp_path: Path) -> None:
     """vLLM's budget ("Available KV cache memory") and "Model loading took" are one worker's;
     at TP = 2 each holds 4 of Llama-3.1-8B's 8 KV heads, so the cache holds twice the tokens

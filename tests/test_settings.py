@@ -4,8 +4,10 @@ option, the Makefile variable and the range."""
 
 from __future__ import annotations
 
+import subprocess
 import types
 import typing
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import annotated_types
@@ -13,7 +15,9 @@ import pytest
 from pydantic import BaseModel
 
 from pipeline.campaign.files import CampaignFile
+from pipeline.campaign.files import load as load_campaign
 from pipeline.core.artifacts import CostTarget, PlanTarget
+from pipeline.core.errors import ConfigError
 from pipeline.registry import STAGES
 from tests.conftest import run_cli
 
@@ -84,3 +88,23 @@ def test_a_bad_number_is_refused_before_any_work_naming_the_variable(
     assert said in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "starting vLLM" not in result.stderr
 
+
+
+def test_the_old_price_name_is_refused_naming_the_new_in_make_cli_and_file(
+        tmp_path: Path) -> None:
+    """One unit, said in its name: a price per hour per server is never read as the price
+    per device-hour, nor silently dropped."""
+    root = Path(__file__).parents[1]
+    made = subprocess.run(["make", "--no-print-directory", "-n", "compare", "PRICE_PER_HOUR=3"],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert made.returncode != 0 and "PRICE_PER_HOUR= is now PRICE_PER_DEVICE_HOUR=" in \
+        made.stderr, made.stderr
+    said = run_cli("compare", "--price-per-hour", "3", timeout=60)
+    assert said.returncode == 2 and "--price-per-hour is now --price-per-device-hour" in \
+        said.stderr and "Traceback" not in said.stderr, said.stderr[-2000:]
+    campaign = tmp_path / "old.yaml"
+    campaign.write_text((root / "configs/campaigns/default.yaml").read_text().replace(
+        "price_per_device_hour", "price_per_hour"))
+    with pytest.raises(ConfigError, match=r"old\.yaml.*price_per_hour is now "
+                                          r"price_per_device_hour"):
+        load_campaign(str(campaign))

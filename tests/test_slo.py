@@ -8,21 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.bench import workloads
-from pipeline.bench.slo import (
-    MEETS,
-    MISSES,
-    UNDECIDED,
-    CapacitySearch,
-    Objective,
-    Point,
-    run_spread,
-    start_wave,
-)
+from pipeline.bench import knee, workloads
+from pipeline.bench.slo import CapacitySearch, Objective, start_wave
 from pipeline.bench.summary import capacity_figures
 from pipeline.calibrate.scenarios import attainment_curve
 from pipeline.core.errors import ConfigError
-from pipeline.core.shares import share_bounds
 
 
 def step_curve(knee: int) -> Callable[[int], float]:
@@ -36,119 +26,117 @@ def search_with(curve: Callable[[int], float], requests: int = 24,
     (exactly, or drawn with ``rng``)."""
     search, visited = CapacitySearch(**kwargs), []
     while (step := search.next_run()) is not None:
-        concurrency, _ = step
+        concurrency, run = step
         visited.append(concurrency)
         share = curve(concurrency)
-        good = (sum(rng.random() < share for _ in range(requests)) if rng
-                else round(share * requests))
-        search.record(concurrency, good, requests)
+        n = search.pilot if search.is_pilot(concurrency, run) else requests
+        good = (sum(rng.random() < share for _ in range(n)) if rng else round(share * n))
+        search.record(concurrency, good, n)
     return search.result(), visited
 
 
 @pytest.mark.parametrize("knee", [1, 3, 7, 12, 20, 31])
-def test_the_search_resolves_a_sharp_knee_to_one_user(knee):
+def test_a_sharp_knee_is_bracketed_then_refined_to_one_user(knee):
     found, visited = search_with(step_curve(knee), ceiling=32)
-    assert found["max_concurrency"] == knee and found["capacity_high"] == knee
-    assert found["first_miss"] == knee + 1 and not found["censored"]
-    # bracket then bisect: a few points, not a sweep of 1..32
-    assert len(set(visited)) <= 2 * 5 + 1
+    assert (found["capacity"], found["capacity_low"], found["capacity_high"]) == (knee,) * 3
+    assert found["outcome"] == "estimated" and not found["censored"] and found["knee"] is None
+    # bracket, a grid, a grid between the two loads it falls between: not a sweep of 1..32
+    assert len(set(visited)) <= 13
 
 
-def test_precision_trades_points_for_a_coarser_answer():
-    exact, visited_exact = search_with(step_curve(20), ceiling=64)
-    coarse, visited_coarse = search_with(step_curve(20), ceiling=64, precision=0.25)
-    assert exact["max_concurrency"] == 20
-    assert 16 <= coarse["max_concurrency"] <= 20 <= coarse["capacity_high"]
-    assert coarse["first_miss"] - coarse["max_concurrency"] <= coarse["max_concurrency"] * 0.25
-    assert len(set(visited_coarse)) < len(set(visited_exact))
+def test_the_bracket_doubles_on_two_runs_then_a_grid_of_five_loads_gets_its_runs_in_turn():
+    curve = attainment_curve(12, 0.95, 14, 0.85)
+    found, visited = search_with(curve, requests=40, ceiling=32, max_runs=4)
+    assert visited[:8] == [1, 1, 2, 2, 4, 4, 8, 8]  # 16: below 90% on its two runs
+    assert visited[8:10] == [16, 16] and found["bracket"] == [8, 16]
+    grid = [c for c, p in found["points"].items() if p["grid"]]
+    assert grid == [8, 10, 12, 14, 16]
+    assert all(found["points"][c]["runs"] == 4 for c in grid)
+    # one run per load in turn (fewest runs first), so that a drifting host hits them all
+    assert visited[10:13] == [10, 12, 14]
+    assert 12 <= found["knee"] <= 14 and found["capacity"] == 13
+    low, high = found["capacity_low"], found["capacity_high"]
+    assert low <= 13 <= high and high - low <= 3
+    assert found["fit"]["dispersion"] >= 1.0
+    assert all(p["fitted"] is not None for p in found["points"].values())
 
 
-def test_a_point_runs_until_its_exact_bounds_clear_or_miss_the_target():
-    search = CapacitySearch(ceiling=8, target=0.9, max_runs=4)
-    assert search.next_run() == (1, 0)
-    search.record(1, 24, 24)  # 24 of 24: the lower bound (98.75%) is 0.83, not yet 0.9
-    assert search.points[1].verdict is None and search.next_run() == (1, 1)
-    search.record(1, 24, 24)  # 48 of 48: 0.913 >= 0.9, shown to meet; no third run
-    assert search.points[1].verdict == MEETS and search.next_run() == (2, 0)
-    search.record(2, 12, 24)  # half: far below 0.9, but one run cannot show how runs vary
-    assert search.points[2].verdict is None and search.next_run() == (2, 1)
-    search.record(2, 11, 24)  # two runs: a t bound with one degree of freedom reaches 1
-    assert search.points[2].verdict is None and search.next_run() == (2, 2)
-    search.record(2, 12, 24)  # three that agree: shown to miss
-    assert search.points[2].verdict == MISSES and search.done
+def test_binomial_noise_is_counted_once_and_runs_that_vary_widen_the_interval():
+    """Runs that vary no more than their requests' binomial noise: dispersion 1, the plain
+    binomial fit's interval (the runs' spread is not charged on top of it). Runs that vary as on
+    the 2-core CPU (one run 100%, the next 50%): a dispersion above 1 and a wider interval."""
+    loads = [8, 8, 10, 10, 12, 12, 14, 14, 16, 16]
+    steady = [84, 84, 82, 82, 77, 77, 68, 68, 50, 50]
+    calm = knee.fit(loads, steady, [84] * 10, 0.9)
+    assert calm is not None and calm.dispersion == 1.0 and 12 < calm.knee < 14
+    varied = [84, 84, 84, 80, 84, 70, 84, 52, 62, 38]
+    wild = knee.fit(loads, varied, [84] * 10, 0.9)
+    assert wild is not None and wild.dispersion > 2
+    assert wild.high is None or (wild.high - wild.low) > (calm.high - calm.low)
+    # no fall: no knee
+    assert knee.fit([4, 4, 8, 8], [10, 10, 20, 20], [24] * 4, 0.9) is None
+
+
+def test_a_pilot_run_is_never_pooled_with_full_runs():
+    """One pilot miss (3 of 4) on a model that meets easily: the old log-odds pooling made it
+    capacity 0 in 1.4% of searches; pilots now only tell a hopeless model."""
+    search = CapacitySearch(ceiling=4, target=0.9, max_runs=2, pilot=4)
+    for load, run, good, counted in [(1, 0, 3, 4), (1, 1, 4, 4), (1, 2, 21, 21),
+                                     (1, 3, 21, 21)]:
+        assert search.next_run() == (load, run) and search.is_pilot(1, run) == (run < 2)
+        search.record(load, good, counted)
+    assert search.points[1].good == 42 and search.points[1].counted == 42
+    assert search.next_run() == (2, 0)
     found = search.result()
-    assert found["max_concurrency"] == 1 and found["capacity_high"] == 1
-    assert found["points"][1]["good"] == 48 and found["points"][1]["runs"] == 2
-    assert found["points"][1]["low"] >= 0.9 > found["points"][2]["high"]
-    assert found["alpha_look"] == pytest.approx(0.05 / 4)
-
-
-def test_runs_that_disagree_keep_a_point_undecided_where_pooled_requests_would_not():
-    """Two runs at one load as measured on the 2-core CPU: 32 of 32, then 26 of 32 (and a
-    third at 31): pooled, 89 of 96 would clear 81% at once; the runs' spread keeps it open
-    until the shares agree."""
-    point = Point(16, looks=4)
-    point.per_run += [(32, 32), (26, 32), (31, 32)]
-    low, high = point.bounds(0.05)
-    pooled_low, _ = share_bounds(89, 96, 0.05 / 4)
-    assert low < pooled_low - 0.05 and high == 1.0
-    assert point.look(0.81, 0.05) is None  # pooled alone: 0.84 >= 0.81, "meets"
-    assert pooled_low >= 0.81
-    # runs that agree: the exact bound of their requests decides
-    steady = Point(16, looks=4)
-    steady.per_run += [(32, 32), (32, 32)]
-    assert steady.bounds(0.05) == share_bounds(64, 64, 0.05 / 4)
-
-
-def test_a_point_at_the_target_is_undecided_and_probed_around_from_both_sides():
-    # 100% up to 5, exactly the target at 6 (never decided), nothing above
-    found, visited = search_with(lambda c: 1.0 if c <= 5 else 0.9 if c == 6 else 0.0,
-                                 requests=40, ceiling=16)
-    assert found["points"][6]["verdict"] == UNDECIDED and found["points"][6]["runs"] == 4
-    assert found["undecided"] == [6]
-    assert found["max_concurrency"] == 5 and found["capacity_high"] == 6  # the range holds 6
-    assert visited.count(6) == 4 and 7 in visited  # its neighbours decided, to one user
-
-
-def test_a_model_that_misses_at_one_and_one_never_shown_to_miss():
-    never, visited = search_with(step_curve(0), ceiling=32)
-    assert never["max_concurrency"] == 0 and visited == [1, 1]  # 0 of 24, twice
-    always, _ = search_with(step_curve(1000), ceiling=32)
-    assert always["max_concurrency"] == 32 and always["censored"]
-    assert always["capacity_high"] is None
+    assert found["points"][1]["pilots"] == 2 and found["points"][1]["attainment"] == 1.0
 
 
 def test_two_pilot_runs_decide_a_hopeless_model_in_eight_requests():
     search = CapacitySearch(ceiling=32, target=0.9, max_runs=4, pilot=4)
-    assert search.next_run() == (1, 0) and search.is_pilot(1, 0)
     search.record(1, 0, 4)
-    assert search.next_run() == (1, 1) and search.is_pilot(1, 1)
-    search.record(1, 0, 4)  # 0 of 8 over two runs: the upper bound is far below 0.9
-    assert search.points[1].verdict == MISSES and search.done
-    # a model that meets: the pilots are two more looks at that point (6, each at 0.83%),
-    # and only the first point has them
-    search = CapacitySearch(ceiling=2, target=0.9, max_runs=4, pilot=4)
-    for run, counted in enumerate((4, 4, 21)):
-        assert search.next_run() == (1, run)
-        search.record(1, counted, counted)
-    assert search.points[1].verdict is None  # 29 of 29: 0.0083 ** (1 / 29) = 0.85
-    assert search.next_run() == (1, 3) and not search.is_pilot(1, 3)
-    search.record(1, 21, 21)  # 50 of 50: 0.909
-    assert search.points[1].verdict == MEETS and search.next_run() == (2, 0)
-    assert not search.is_pilot(2, 0) and search.points[2].looks == 4
-    assert search.result()["points"][1]["looks"] == 6
+    search.record(1, 0, 4)
+    assert search.done and search.next_run() is None
+    found = search.result()
+    assert found["capacity"] == 0 and found["outcome"].startswith("misses at the first load")
 
 
-def test_a_start_above_one_that_misses_searches_downwards():
+def test_a_model_that_misses_at_one_and_one_that_reaches_the_ceiling():
+    never, visited = search_with(step_curve(0), ceiling=32)
+    assert never["capacity"] == 0 and never["outcome"] == "misses at the first load"
+    assert visited == [1] * 4  # its two bracketing runs, then up to four to show it
+    always, _ = search_with(step_curve(1000), ceiling=32)
+    assert always["capacity"] == 32 and always["censored"] and always["capacity_high"] is None
+
+
+def test_censored_means_the_ceiling_was_shown_to_meet_undecided_is_not(tmp_path):
+    shown, _ = search_with(step_curve(1000), ceiling=32)
+    unsure, _ = search_with(lambda c: 0.92, ceiling=32)  # 92% of 96: not shown to clear 90%
+    assert shown["outcome"] == "censored" and shown["capacity_low"] == 32
+    assert unsure["outcome"] == "undecided at the ceiling" and not unsure["censored"]
+    assert unsure["capacity_low"] is None
+    work = workloads.load("capacity")
+    caps = [capacity_figures({**found, "slo": work.slo.model_dump()}, {}, work, {})
+            for found in (shown, unsure)]
+    assert caps[0].text() == ">= 32 (censored)" and caps[1].text().startswith("32?")
+    assert "raise search_ceiling" in caps[0].limited_by
+    assert "raise repeats" in caps[1].limited_by and "search_ceiling" not in caps[1].limited_by
+    # no export carries either as a plain capacity
+    assert "slo_max_concurrency" not in caps[0].metrics()
+    assert caps[0].metrics()["slo_max_concurrency_lower_bound"] == 32
+    assert "slo_max_concurrency" not in caps[1].metrics()
+
+
+def test_a_start_above_one_that_misses_searches_below_it():
     found, _ = search_with(step_curve(3), ceiling=32, start=8)
-    assert found["max_concurrency"] == 3 and found["capacity_high"] == 3
+    assert (found["capacity"], found["capacity_low"], found["capacity_high"]) == (3, 3, 3)
 
 
-def test_noisy_requests_on_a_smooth_knee_give_a_range_that_holds_the_truth():
+def test_noisy_requests_on_a_smooth_knee_give_an_interval_that_holds_the_truth():
     rng = random.Random(0)
     curve = attainment_curve(12, 0.95, 14, 0.85)  # the truth: 13 users at >= 90%
     found, _ = search_with(curve, requests=36, rng=rng, ceiling=32)
-    assert found["max_concurrency"] <= 13 <= found["capacity_high"]
+    assert found["capacity_low"] <= 13 <= found["capacity_high"]
+    assert abs(found["capacity"] - 13) <= 1
 
 
 def _detailed(ttfts, latencies, output_lens, itls=None, errors=None) -> dict:
@@ -308,16 +296,14 @@ def _points(ttft_at_miss: float, preemptions: float = 0.0) -> dict[int, dict[str
 
 def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
     w = workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 500}\n" + ENOUGH)))
-    point = {"good": 48, "counted": 48, "runs": 2, "attainment": 1.0, "low": 0.91, "high": 1.0,
-             "verdict": MEETS}
-    found = {"max_concurrency": 4, "capacity_high": 4, "censored": False, "first_miss": 5,
-             "ceiling": 32, "points": {4: point, 5: {**point, "good": 0, "verdict": MISSES}}}
+    found, _ = search_with(step_curve(4), ceiling=32)  # 4 meets, 5 (the first below) misses
+    assert found["first_below"] == 5
     kv = {"kv_cache_tokens": 4096.0, "kv_block_size": 16.0}
     figures = capacity_figures(found, _points(700.0), w, kv)
     assert figures.slo_max_concurrency == 4
     assert figures.slo_output_tokens_per_s == 80.0
     assert figures.slo_requests_per_s_min == 4.0
-    assert figures.slo_attainment == 1.0 and figures.slo_capacity_high == 4
+    assert figures.slo_capacity_low == figures.slo_capacity_high == 4
     assert figures.workload == "w"
     assert figures.limited_by.startswith("latency (compute)")
     assert "TTFT p90 700 ms" in figures.limited_by
@@ -343,14 +329,14 @@ def test_a_rate_search_sends_poisson_arrivals_and_brackets_by_doubling_the_rate(
     assert args[args.index("--burstiness") + 1] == "1" and "--max-concurrency" not in args
     assert w.num_prompts(1) == 24 and w.num_prompts(9) == 40  # 4 req/s x 10 s
     assert w.load_text(5) == "2 req/s"
-    # up to 2.83 req/s (level 7) every request meets it: bracketed by doubling, then bisected
+    # up to 2.83 req/s (level 7) every request meets it: bracketed by doubling, then a grid
     found, visited = search_with(step_curve(7), ceiling=w.levels, bracket_step=w.doubling)
-    assert list(dict.fromkeys(visited))[:3] == [1, 5, 9] and found["max_concurrency"] == 7
-    assert found["capacity_high"] == 7
+    assert list(dict.fromkeys(visited))[:3] == [1, 5, 9] and found["capacity"] == 7
+    assert found["bracket"] == [5, 9] and found["capacity_high"] == 7
 
 
 def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_path):
-    from pipeline.core.artifacts import CostTarget, Row
+    from pipeline.core.artifacts import CostTarget, Price, Row
     from pipeline.report import cost
 
     w = workloads.load(str(_write(tmp_path, RATE)))
@@ -368,7 +354,7 @@ def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_
     assert capacity_range(figures) == "2.83 req/s"
     row = Row(name="v", recipe="v", scheme="S", format="f", precision="p", weight_bytes=1,
               weight_ratio=1.0, serving="ok", rate_capacity=figures)
-    priced = cost.figures(row, 1.0, CostTarget(target_rps=10.0))
+    priced = cost.figures(row, CostTarget(target_rps=10.0), Price(price_per_hour=1.0))
     assert priced is not None
     assert priced.machines_for_target_rps == 4  # 10 req/s / 2.83 per machine
     assert priced.rps_from == "the arrival-rate search (open loop)"
@@ -399,23 +385,3 @@ def test_a_derived_first_rate_is_what_the_figures_and_the_table_use(tmp_path):
     figures = capacity_figures(found, {}, w, {})
     assert figures.slo_max_request_rate == pytest.approx(0.75 * 2 ** 1.5)
     assert figures.points["1"].rate == 0.75
-
-
-def test_two_lucky_runs_are_judged_with_the_spread_the_other_points_showed():
-    """Runs at one load on the 2-core CPU differ by ~1.5 on the log-odds: a point whose two
-    runs happened to keep every request is shown to meet 90% alone, but not once another
-    point of the search has shown runs that far apart (its runs then continue); a point whose
-    runs were all perfect shows no spread and is not pooled."""
-    lucky = Point(14, looks=4)
-    lucky.per_run += [(21, 21), (21, 21)]
-    assert lucky.look(0.9, 0.05) == MEETS
-    assert run_spread([lucky]) is None
-    neighbour = Point(12, looks=4)
-    neighbour.per_run += [(21, 21), (11, 21), (20, 21)]
-    spread = run_spread([neighbour, lucky])
-    assert spread is not None and spread.df == 2 and spread.between > 1
-    assert lucky.look(0.9, 0.05, spread) is None and lucky.decided_by[0] < 0.9
-    # a clear miss is still a miss with the spread, once the spread rests on a few runs
-    missing = Point(20, looks=4)
-    missing.per_run += [(5, 21), (7, 21), (4, 21)]
-    assert missing.look(0.9, 0.05, run_spread([neighbour, missing])) == MISSES

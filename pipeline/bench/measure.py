@@ -24,6 +24,7 @@ from pipeline.bench.slo import PILOT, CapacitySearch, single_request_figures
 from pipeline.bench.workloads import AUTO_CEILING, Workload
 from pipeline.core import hardware, tracking
 from pipeline.core import log as qlog
+from pipeline.core.errors import PlanError
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
@@ -247,8 +248,17 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         record.engine[tracking.ENGINE_WEIGHT_MEMORY_BYTES] = per_device * tp * pp
         record.engine["engine_weight_memory_bytes_per_device"] = per_device
     config = json.loads((record.variant.path / "config.json").read_text())
-    if server.target == "cuda" and "WNA16" in engine_log.schemes:
-        _wna16_kernels(record, engine_log, config, tp)
+    try:
+        if server.target == "cuda" and "WNA16" in engine_log.schemes:
+            _wna16_kernels(record, engine_log, config, tp)
+        _record_kv(record, server, settings, engine_log, config)
+    except PlanError as err:  # one model the planner cannot plan is a note, not the bench's end
+        record.engine["plan_note"] = f"not planned, so not checked against the engine: {err}"
+
+
+def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings,
+               engine_log: engine_metrics.EngineLog, config: dict[str, Any]) -> None:
+    """The engine's KV cache and the planner's figure for the budget it used."""
     info = engine_metrics.kv_cache_info(
         engine_metrics.parse(server.metrics_text("the KV-cache read-out (/metrics)")),
         server.log_text())
@@ -272,7 +282,8 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
     # the budget is one worker's, and each worker holds its share of every token's KV cache
     # (its KV heads, its layers): the whole cache is the budget over that share, as make plan
     # counts it
-    shards = parse_architecture(config).kv_shards(tp, pp)
+    shards = parse_architecture(config).kv_shards(settings.tensor_parallel_size,
+                                                  settings.pipeline_parallel_size)
     planned = capacity.predict_vllm_kv_cache(
         config, budget * shards,
         block_size=info.block_size or (128 if server.target == "cpu" else 16),
@@ -510,7 +521,7 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                  + (f"; rates from {workload.rate_start:g} req/s" if workload.by_rate else ""))
     assert workload.slo is not None
     searches = {name: CapacitySearch(ceiling_for(workload, records[name]), workload.slo.target,
-                                     workload.repeats, workload.search_precision,
+                                     workload.repeats,
                                      bracket_step=workload.doubling if workload.by_rate else 0,
                                      pilot=workload.search_pilot)
                 for name in live if workload.runs_on(name)}
@@ -541,9 +552,10 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
             good, counted = workload.slo.attainment(result, skip_start=not workload.by_rate)
             search.record(concurrency, good, counted)
             point = search.points[concurrency]
-            log.info(f"{name}: {workload.name} {workload.load_text(concurrency)} run "
+            kind = "pilot run" if result[PILOT] else "run"
+            log.info(f"{name}: {workload.name} {workload.load_text(concurrency)} {kind} "
                      f"{repeat + 1}: {good}/{counted} within the objective ({point.good}/"
-                     f"{point.counted} so far" + (f": {point.verdict})" if point.verdict else ")"))
+                     f"{point.counted} over its full runs)")
     for name, search in searches.items():
         if name in live:
             rates = {"rate_start": workload.rate_start, "rate_ceiling": workload.rate_ceiling} \
@@ -552,10 +564,11 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                 **search.result(), "slo": workload.slo.model_dump(), **rates,
                 "ceiling_from": "the KV cache" if not (workload.search_ceiling or workload.by_rate)
                 else "the workload"}
-            upper = found["capacity_high"]
-            top = workload.load_text(upper) if upper is not None else "?"
-            log.info(f"{name}: {workload.slo.describe()} up to "
-                     f"{workload.load_text(found['max_concurrency'])} (range up to {top})")
+            ends = [workload.load_text(v) if v is not None else "unbounded"
+                    for v in (found["capacity_low"], found["capacity_high"])]
+            log.info(f"{name}: {workload.slo.describe()}: {found['outcome']}, capacity "
+                     f"{workload.load_text(found['capacity'])} ({found['level']:.0%} interval "
+                     f"{ends[0]} to {ends[1]})")
 
 
 def derive(workload: Workload, result: dict[str, Any]) -> Workload:

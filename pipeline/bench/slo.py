@@ -1,48 +1,51 @@
-"""Capacity at a latency target: the highest load at which a model is shown to meet an objective.
+"""Capacity at a latency target: the load at which a model's share of requests within an
+objective falls to the share asked, estimated with an interval.
 
 An objective bounds each request's latency (``ttft``, ``tpot``, ``e2el``, and ``itl`` as the
 request's mean inter-token gap, the per-request terms of ``vllm bench serve --goodput``) and
 asks that a share of requests meet every bound: its SLO attainment, the field's measure
 (DistServe; GuideLLM's goodput). ``percentile: 90`` asks for 90% of requests within the bounds.
 
-Each load point's attainment is counted over its runs' requests (vLLM's ``--save-detailed`` per-
-request figures) in steady state: at a fixed concurrency the first requests of a run are sent all
-at once and prefilled together, and that start-up wave is not counted (:func:`start_wave`; measured
-on the 2-core CPU, it was nearly every miss below the knee, and whether a wave crossed the bound
-decided a whole run). The point is decided sequentially: "meets" once the exact (Clopper-Pearson)
-lower bound clears the target, "misses" once the upper bound is below it, each look at ALPHA split
-evenly over the point's allowed runs; a point still straddling the target after them is
-"undecided". The search is over max concurrency: bracket (1, 2, 4, ... up to a ceiling), then
-bisect to one user between the largest load shown to meet and the smallest shown to miss, probing
-around undecided points from both sides. The capacity is the largest load shown to meet (a
-conservative figure), with its range up to the load below the smallest shown to miss. It assumes
-attainment falls with load, as it does for a continuously batching engine once the machine is busy;
-every point visited is kept, so a non-monotone curve is visible in the figures. vLLM's own ``vllm
-bench sweep serve_workload`` walks a fixed grid with no objective and starts its own server; this
-search drives the same ``vllm bench serve`` runs against qpipe's servers, one run at a time, so
-that several models' searches interleave run by run.
+Each run's attainment is counted over its requests (vLLM's ``--save-detailed`` per-request
+figures) in steady state: at a fixed concurrency the first requests of a run are sent all at
+once and prefilled together, and that start-up wave is not counted (:func:`start_wave`; measured
+on the 2-core CPU, it was nearly every miss below the knee). The search (:class:`CapacitySearch`)
+brackets the knee by doubling the load while two runs' share reaches the target, lays a grid of
+five loads over the bracket, runs each up to ``repeats`` times, and fits the knee there
+(:mod:`pipeline.bench.knee`): the capacity is the largest whole load at or below it, with a 90%
+interval whose coverage ``make calibrate`` measures. The ceiling alone decides "censored" (shown
+to meet there) or "undecided at the ceiling"; the first load alone "misses at the first load".
+It assumes attainment falls with load, as it does for a continuously batching engine once the
+machine is busy; every load visited is kept, so a non-monotone curve is visible in the figures.
+vLLM's own ``vllm bench sweep serve_workload`` walks a fixed grid with no objective and starts
+its own server; this search drives the same ``vllm bench serve`` runs against qpipe's servers,
+one run at a time, so that several models' searches interleave run by run.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.core.shares import logit, logit_normal_mean, share_bounds, t_quantile
+from pipeline.bench import knee
+from pipeline.bench.knee import LEVEL, KneeFit
+from pipeline.core.artifacts import CENSORED, ESTIMATED, UNDECIDED_CEILING
+from pipeline.core.shares import share_bounds, t_quantile
 
-ALPHA = 0.05  # each load point's verdict: the chance it says "meets" where the truth misses
-MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
-MIN_RUNS = 2  # a load point's verdict rests on at least this many runs
+ALPHA = 0.05  # a point shown to meet (the ceiling) or miss (the first load): one side's error
+MIN_RUNS = 2  # full runs per load while bracketing (and the pilot runs)
+GRID = 4  # the grid divides the bracket into this many steps (5 loads)
+SHARP = 6.0  # a fitted fall of this many log-odds between neighbouring loads: a sharp knee
 PILOT = "qpipe_pilot"  # marks a search's short first run: its throughput is no point's figure
 # what a search counts; part of a bench run's cache key, so a change re-measures
 COUNTED = "requests past each closed-loop run's start-up wave"
 # how a point is judged; in a capacity search's cache key likewise
-RULE = "exact and runs' t bounds, widened by the runs' log-odds spread over the search's points"
+RULE = ("bracket by doubling on each load's share, a grid of 5 loads in the bracket, the knee "
+        "of a quasi-binomial logistic fit with Fieller's 90% interval")
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # what `vllm bench serve --goodput` accepts
@@ -198,14 +201,12 @@ def single_request_figures(result: dict[str, Any]) -> dict[str, float]:
 
 @dataclass
 class Point:
-    """One load point of a search: each run's requests (within the objective, counted) and
-    the point's verdict."""
+    """One load a search visited: its pilot runs (short, apart) and its full runs' requests
+    (within the objective, counted)."""
 
     concurrency: int
-    looks: int  # the most runs it may have; ALPHA is split evenly over them
     per_run: list[tuple[int, int]] = field(default_factory=list)
-    verdict: str | None = None  # meets | misses | undecided; None while it runs
-    decided_by: tuple[float, float] | None = None  # the bounds at its last look
+    pilots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def good(self) -> int:
@@ -213,7 +214,7 @@ class Point:
 
     @property
     def counted(self) -> int:
-        """Requests counted (sent, less each run's start-up wave)."""
+        """Requests counted over the full runs (sent, less each run's start-up wave)."""
         return sum(n for _, n in self.per_run)
 
     @property
@@ -221,100 +222,49 @@ class Point:
         return len(self.per_run)
 
     @property
-    def logits(self) -> list[float]:
-        return [logit(g, n) for g, n in self.per_run]
+    def attainment(self) -> float:
+        """The share of the full runs' requests within the objective (each run weighs by its
+        requests)."""
+        return self.good / self.counted if self.counted else 0.0
 
-    def bounds(self, alpha: float, spread: RunSpread | None = None) -> tuple[float, float]:
-        """One-sided bounds of its attainment (the mean over runs), each at ``alpha`` / its
-        looks: the exact (Clopper-Pearson) bounds of its requests, widened, from two runs on,
-        to a t bound on the runs' shares with k - 1 degrees of freedom (a run is the unit: its
-        requests share the machine's state, and on the 2-core CPU one run at a load kept 100%
-        while the next kept 50%), and to the bound ``spread`` gives (how much runs vary at
-        the search's other points too: two lucky runs at a point are judged with the spread
-        its neighbours showed). Runs that agree, where no point's runs have differed yet,
-        leave the exact bounds as they are."""
-        level = alpha / self.looks
+    def bounds(self, level: float) -> tuple[float, float]:
+        """One-sided bounds of its attainment, each at ``level``: the exact (Clopper-Pearson)
+        bounds of its requests, widened, from two runs on, to a t bound on the runs' shares
+        with k - 1 degrees of freedom (a run is the unit: its requests share the machine's
+        state). Used where one load decides alone: the ceiling, the first load."""
         low, high = share_bounds(self.good, self.counted, level)
-        k = len(self.per_run)
+        k = self.runs
         if k < 2 or not self.counted:
             return low, high
-        total = self.counted
-        share = self.good / total
-        # the spread of the runs' shares about the pooled one (a ratio estimator's
-        # cluster-robust variance)
-        own = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / total ** 2
+        share = self.attainment
+        # the runs' shares about the pooled one (a ratio estimator's cluster-robust variance)
+        own = sum(n * n * (g / n - share) ** 2 for g, n in self.per_run) / self.counted ** 2
         margin = t_quantile(1 - level, k - 1) * math.sqrt(own * k / (k - 1))
-        low, high = max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
-        if spread is None:
-            return low, high
-        # the runs' mean log-odds, with the spread pooled over the search's points; its
-        # bounds as mean shares over runs (logit-normal), each end with the spread that is
-        # conservative there: the whole for the lower end, the between-run part for the upper
-        mean = statistics.fmean(self.logits)
-        margin = t_quantile(1 - level, spread.df) * math.sqrt(spread.variance / k)
-        return (min(low, logit_normal_mean(mean - margin, math.sqrt(spread.variance))),
-                max(high, logit_normal_mean(mean + margin, math.sqrt(spread.between))))
-
-    def look(self, target: float, alpha: float, spread: RunSpread | None = None) -> str | None:
-        """The verdict, from two runs on (one run cannot show how runs vary)."""
-        low, high = self.bounds(alpha, spread)
-        self.decided_by = (low, high)
-        if self.runs >= MIN_RUNS and low >= target:
-            return MEETS
-        if self.runs >= MIN_RUNS and high < target:
-            return MISSES
-        return UNDECIDED if self.runs >= self.looks else None
-
-
-@dataclass(frozen=True)
-class RunSpread:
-    """How much the runs of one load point differ, on the log-odds scale, pooled over a
-    search's points: ``variance`` (every run's about its point's mean, with ``df`` degrees of
-    freedom) and ``between``, less the requests' own binomial noise."""
-
-    variance: float
-    between: float
-    df: int
-
-
-def run_spread(points: Iterable[Point]) -> RunSpread | None:
-    """The runs' spread over the points of two runs or more whose runs are not all perfect
-    (or all missed): a point at the ceiling of the log-odds shows no spread however much its
-    runs vary. None before any such point."""
-    squares, df, noise, runs = 0.0, 0, 0.0, 0
-    for point in points:
-        if point.runs < MIN_RUNS or all(g == n for g, n in point.per_run) or \
-                all(g == 0 for g, _ in point.per_run):
-            continue
-        ys = point.logits
-        mean = statistics.fmean(ys)
-        squares += sum((y - mean) ** 2 for y in ys)
-        df += len(ys) - 1
-        for g, n in point.per_run:
-            s = (g + 0.5) / (n + 1)
-            noise += 1 / ((n + 1) * s * (1 - s))
-            runs += 1
-    if not df:
-        return None
-    return RunSpread(squares / df, max(0.0, squares / df - noise / runs), df)
+        return max(0.0, min(low, share - margin)), min(1.0, max(high, share + margin))
 
 
 @dataclass
 class CapacitySearch:
     """The search for one model, run by the caller one client run at a time:
-    ``next_run()`` says which load point and run to do, ``record()`` takes its requests.
-    ``pilot``: the first point's first two runs count only this many requests each (0: full
-    runs), so that a model missing the objective even there is known in seconds (they are two
-    more looks at that point)."""
+    ``next_run()`` says which load and run to do, ``record()`` takes its requests.
+
+    Bracket: from ``start``, each load gets ``MIN_RUNS`` full runs; while their share of
+    requests within the objective reaches the target the load doubles (or rises by
+    ``bracket_step`` levels), up to ``ceiling``. Grid: the last load that reached it and the
+    first that did not, and ``grid - 1`` loads evenly between them, each run up to ``max_runs``
+    times, one run per load in turn. Estimate: the knee fitted over the grid's runs
+    (:mod:`pipeline.bench.knee`). ``pilot``: the first load's first two runs count only this
+    many requests each, so that a model that misses everything even there is known in
+    seconds; they are never pooled with full runs."""
 
     ceiling: int
     target: float = 0.9  # the attainment asked (the objective's percentile / 100)
-    max_runs: int = 4  # per load point; ALPHA is split evenly over them
-    precision: float = 0.0  # stop when the bracket is within this share of its low end (0: 1)
+    max_runs: int = 4  # per grid load
     start: int = 1
-    alpha: float = ALPHA
+    level: float = LEVEL  # the knee's interval
     bracket_step: int = 0  # bracketing adds this many levels (0: doubles the load)
     pilot: int = 0
+    grid: int = GRID
     points: dict[int, Point] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -322,80 +272,199 @@ class CapacitySearch:
             raise ValueError(f"search from {self.start} to {self.ceiling}: start must be "
                              "between 1 and the ceiling")
         self._current = self.start
-
-    @property
-    def alpha_look(self) -> float:
-        """Each look's level at a point of ``max_runs`` runs."""
-        return self.alpha / self.max_runs
+        self._met = 0  # the highest load whose runs reached the target while bracketing
+        self._grid: list[int] = []
+        self._fit_over: list[int] = []  # the loads the knee is fitted over
+        self._bracket: tuple[int, int] | None = None
+        self._phase = "bracket"  # bracket | ceiling | first | grid | done
+        self.outcome = ""  # how it ended, in words (result()["outcome"])
 
     @property
     def done(self) -> bool:
-        return self._current == 0
+        return self._phase == "done"
 
     def is_pilot(self, concurrency: int, run: int) -> bool:
         """Whether this run is one of the short first ones (``pilot`` requests counted)."""
         return bool(self.pilot) and concurrency == self.start and run < MIN_RUNS
 
-    def _with(self, verdict: str) -> list[int]:
-        return sorted(c for c, p in self.points.items() if p.verdict == verdict)
-
-    @property
-    def low(self) -> int:
-        """The largest load shown to meet the objective (0: none)."""
-        return max(self._with(MEETS), default=0)
-
-    @property
-    def high(self) -> int | None:
-        """The smallest load shown to miss it (None: none)."""
-        return min(self._with(MISSES), default=None)
+    def _point(self, load: int) -> Point:
+        return self.points.setdefault(load, Point(load))
 
     def next_run(self) -> tuple[int, int] | None:
-        """(concurrency, run index) of the next run, or None when the search is over."""
-        if self.done:
+        """(load, run index) of the next run, or None when the search is over; a load's
+        pilot runs are its runs 0 and 1."""
+        if self._phase == "done":
             return None
-        looks = self.max_runs + (MIN_RUNS if self.pilot and self._current == self.start else 0)
-        point = self.points.setdefault(self._current, Point(self._current, looks))
-        return self._current, point.runs
+        if self._phase == "grid":
+            load = min(self._grid, key=lambda c: (self.points[c].runs, c))
+            if self.points[load].runs >= self.max_runs:
+                if not self._refine():
+                    self._phase = "done"
+                    return None
+                load = min(self._grid, key=lambda c: (self.points[c].runs, c))
+        else:
+            load = self._current
+        point = self._point(load)
+        return load, len(point.pilots) + point.runs
 
     def record(self, concurrency: int, good: int, counted: int) -> None:
-        point = self.points[concurrency]
+        point = self._point(concurrency)
+        if self.is_pilot(concurrency, len(point.pilots) + point.runs):
+            point.pilots.append((good, counted))
+            if len(point.pilots) == MIN_RUNS and not any(g for g, _ in point.pilots):
+                self._finish("misses at the first load: no request of the pilot runs met it")
+            return
         point.per_run.append((good, counted))
-        point.verdict = point.look(self.target, self.alpha, run_spread(self.points.values()))
-        if point.verdict is not None:
-            self._current = self._next_concurrency()
+        if self._phase == "grid" or point.runs < MIN_RUNS:
+            return
+        if self._phase == "bracket":
+            self._climb(concurrency, point)
+        if self._phase in ("ceiling", "first") and point.runs >= self.max_runs:
+            self._judge(concurrency, point)
 
-    def _next_concurrency(self) -> int:
-        """0 when the search is over."""
-        low, high = self.low, self.high
-        if high is None:  # bracketing upwards from the highest load visited
-            top = max(self.points)
-            up = top + self.bracket_step if self.bracket_step else top * 2
-            return 0 if top >= self.ceiling else min(self.ceiling, max(up, self.start))
-        step = max(1, math.floor(low * self.precision))
-        unsure = [c for c in self._with(UNDECIDED) if low < c < high]
-        below = min(unsure, default=high)  # the first load not shown to meet above low
-        if below - low > step:
-            return self._unvisited((low + below) // 2)
-        above = max(unsure, default=low)  # the last load not shown to miss below high
-        if high - above > step:
-            return self._unvisited((above + high) // 2)
-        return 0
+    def _climb(self, load: int, point: Point) -> None:
+        """Up while the load's runs reach the target; the grid once one does not."""
+        if point.attainment < self.target:
+            if self._met == 0 and load == 1:
+                self._phase = "first"  # below the target at one user: is that shown?
+            else:
+                self._start_grid(self._met, load)
+        elif load >= self.ceiling:
+            self._phase = "ceiling"  # shown to meet there, or only not shown to miss?
+        else:
+            self._met = load
+            up = load + self.bracket_step if self.bracket_step else load * 2
+            self._current = min(self.ceiling, up)
 
-    def _unvisited(self, concurrency: int) -> int:
-        return 0 if concurrency < 1 or concurrency in self.points else concurrency
+    def _judge(self, load: int, point: Point) -> None:
+        """The ceiling or the first load alone, on all its runs: shown to meet or miss there
+        at one side's level, or undecided."""
+        low, high = point.bounds((1 - self.level) / 2)
+        if self._phase == "ceiling":
+            self._finish(CENSORED if low >= self.target else UNDECIDED_CEILING)
+        elif point.attainment >= self.target:  # one user reached it after all: go on up
+            self._phase = "bracket"
+            self._climb(load, point)
+        else:
+            self._finish("misses at the first load" if high < self.target
+                         else "undecided at the first load")
+
+    def _finish(self, outcome: str) -> None:
+        self.outcome, self._phase = outcome, "done"
+
+    def _start_grid(self, met: int, missed: int) -> None:
+        self._bracket = (met, missed)
+        self._grid = sorted({missed, *([met] if met else []), *self._between(met, missed)})
+        self._fit_over = list(self._grid)
+        for load in self._grid:
+            self._point(load)
+        self._phase, self.outcome = "grid", ESTIMATED
+
+    def _between(self, low: int, high: int) -> set[int]:
+        """``grid - 1`` whole loads evenly between ``low`` and ``high`` (fewer where close)."""
+        inside = {round(low + j * (high - low) / self.grid) for j in range(1, self.grid)}
+        return {c for c in inside if max(low, 0) < c < high}
+
+    def _crossing(self) -> tuple[int, int]:
+        """(the highest fitted-over load before the first whose share is below the target,
+        that first load): where the curve crosses, between two loads run."""
+        loads = sorted(self._fit_over)
+        below = next((c for c in loads if self.points[c].attainment < self.target), loads[-1])
+        above = max((c for c in loads if c < below), default=self._bracket[0])
+        return above, below
+
+    def _sharp(self, fitted: KneeFit | None) -> bool:
+        """Whether the knee is sharper than the loads run can resolve: no fall fitted, or the
+        fitted share crossing from above 95% to below 5% between two neighbouring loads."""
+        if fitted is None:
+            return True
+        above, below = self._crossing()
+        return abs(fitted.slope) * (below - above) >= SHARP
+
+    def _refine(self) -> bool:
+        """A sharp knee between two loads more than one apart: a grid between them (True)."""
+        above, below = self._crossing()
+        if below - above <= 1 or not self._sharp(self.estimate()):
+            return False
+        inside = self._between(above, below)
+        self._grid = sorted(set(self._grid) | inside)
+        self._fit_over = sorted(c for c in self._grid if above <= c <= below)
+        for load in inside:
+            self._point(load)
+        return True
+
+    @property
+    def bracket(self) -> tuple[int, int] | None:
+        """(the last load whose bracketing runs reached the target, the first that did not)."""
+        return self._bracket
+
+    def estimate(self) -> KneeFit | None:
+        """The knee fitted over the grid's full runs (None before the grid, or no fall)."""
+        runs = [(c, g, n) for c in self._fit_over for g, n in self.points[c].per_run]
+        if not runs:
+            return None
+        loads, good, counted = zip(*runs, strict=True)
+        return knee.fit(loads, good, counted, self.target, self.level)
 
     def result(self) -> dict[str, Any]:
-        """``max_concurrency`` (the largest load shown to meet; 0: none), the capacity's range
-        (up to the load below the smallest shown to miss; ``censored`` when none missed), and
-        every point's attainment, bounds and verdict."""
-        low, high = self.low, self.high
+        """The capacity: ``capacity`` (the largest whole load at or below the knee; 0: none),
+        its interval (``capacity_low``/``capacity_high``; None: unbounded that side),
+        ``knee`` (the fitted load, a fraction), how the search ended (``outcome``: estimated,
+        censored, undecided at the ceiling, misses at the first load, ...), the bracket the
+        grid spanned, the fit, and every load's runs, attainment and fitted share."""
+        fitted = self.estimate() if self.outcome == ESTIMATED else None
+        sharp = self.outcome == ESTIMATED and self._sharp(fitted)
+        if sharp:  # the fit does not resolve it: each load's own bounds do
+            fitted = None
+            capacity, low, high, knee_at = self._sharp_capacity()
+        else:
+            capacity, low, high, knee_at = self._capacity(fitted)
         points = {}
         for c, p in sorted(self.points.items()):
-            lo, hi = p.decided_by or p.bounds(self.alpha)
-            points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs, "looks": p.looks,
-                         "attainment": p.good / p.counted if p.counted else 0.0,
-                         "low": lo, "high": hi, "verdict": p.verdict or UNDECIDED}
-        return {"max_concurrency": low, "capacity_high": high - 1 if high is not None else None,
-                "censored": high is None, "first_miss": high, "ceiling": self.ceiling,
-                "target": self.target, "alpha_look": self.alpha_look,
-                "undecided": self._with(UNDECIDED), "points": points}
+            if not p.runs and not p.pilots:
+                continue
+            lo, hi = p.bounds((1 - self.level) / 2)
+            points[c] = {"good": p.good, "counted": p.counted, "runs": p.runs,
+                         "pilots": len(p.pilots), "attainment": p.attainment,
+                         "low": lo, "high": hi, "grid": c in self._grid,
+                         **({"fitted": fitted.attainment(c)} if fitted is not None else {})}
+        return {"capacity": capacity, "capacity_low": low, "capacity_high": high,
+                "knee": knee_at, "level": self.level, "outcome": self.outcome or "unfinished",
+                "censored": self.outcome == CENSORED,
+                "bracket": list(self.bracket) if self.bracket else None,
+                "first_below": self._crossing()[1] if self._fit_over else None,
+                "fit": fitted.as_dict() if fitted is not None else None,
+                "ceiling": self.ceiling, "target": self.target, "points": points}
+
+    def _sharp_capacity(self) -> tuple[int, int | None, int | None, None]:
+        """A knee sharper than the loads run: the capacity is the load before the first whose
+        share is below the target; its interval, from the largest load shown to meet to the
+        one below the smallest shown to miss (each at one side's level), as each load alone
+        shows it."""
+        above, _ = self._crossing()
+        side = (1 - self.level) / 2
+        run = sorted(c for c in self._grid if self.points[c].runs)
+        met = [c for c in run if self.points[c].bounds(side)[0] >= self.target]
+        missed = [c for c in run if self.points[c].bounds(side)[1] < self.target]
+        low = max((c for c in met if c <= above), default=0)
+        high = min((c for c in missed if c > above), default=None)
+        return above, low, high - 1 if high is not None else None, None
+
+    def _capacity(self, fitted: KneeFit | None
+                  ) -> tuple[int, int | None, int | None, float | None]:
+        """(capacity, interval low, interval high, knee) in whole loads, within [0, ceiling]."""
+        def whole(x: float) -> int:
+            return min(self.ceiling, max(0, math.floor(x + 1e-9)))
+        if self.outcome.startswith("misses at the first load"):
+            return 0, 0, 0, None
+        if self.outcome == "undecided at the first load":
+            return 0, 0, self.start, None
+        if self.outcome == CENSORED:
+            return self.ceiling, self.ceiling, None, None
+        if self.outcome == UNDECIDED_CEILING:
+            return self.ceiling, None, None, None
+        if fitted is None:  # still bracketing (a search cut short): what it reached so far
+            return self._met, None, None, None
+        low = whole(fitted.low) if fitted.low is not None else None
+        high = whole(fitted.high) if fitted.high is not None else None
+        return whole(fitted.knee), low, high, fitted.knee

@@ -4,6 +4,7 @@ MLflow runs (``bench:<model>``, every load point a step)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -12,7 +13,14 @@ from pipeline.bench.measure import ModelRecord, requests_held, speed_ratios
 from pipeline.bench.slo import PILOT, Objective
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import BenchSummary, Capacity, ModelBench, WorkloadFigures
+from pipeline.core.artifacts import (
+    CENSORED,
+    UNDECIDED_CEILING,
+    BenchSummary,
+    Capacity,
+    ModelBench,
+    WorkloadFigures,
+)
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import Looks, Speedup, speedup, verdict_of
 from pipeline.core.variant import BASELINE
@@ -175,50 +183,79 @@ def _measured(points: dict[int, list[dict]]) -> dict[int, list[dict]]:
     return {c: [r for r in runs if not r.get(PILOT)] for c, runs in points.items()}
 
 
+def interpolated(points: dict[int, dict[str, float]], load: float, metric: str
+                 ) -> float | None:
+    """``metric`` at ``load`` from the loads measured, linearly between the nearest two (the
+    end's own figure beyond the loads measured); None where no load has it."""
+    known = sorted((c, stats[metric]) for c, stats in points.items() if metric in stats)
+    if not known:
+        return None
+    if load <= known[0][0]:
+        return known[0][1]
+    for (c1, v1), (c2, v2) in itertools.pairwise(known):
+        if c1 <= load <= c2:
+            return v1 + (v2 - v1) * (load - c1) / (c2 - c1) if c2 > c1 else v1
+    return known[-1][1]
+
+
 def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
                      kv: dict[str, float]) -> Capacity:
-    """A search's result, the medians at the capacity found, the throughput at the first
-    load shown to miss (the most the capacity's range can reach: the cost's other end), each
-    point's SLO attainment, and what limits the capacity."""
+    """A search's result (:meth:`CapacitySearch.result`), the throughput at the capacity and
+    at its interval's ends (interpolated between the loads measured: the cost's range), each
+    load's SLO attainment, and what limits the capacity."""
     slo = Objective.model_validate(found["slo"]) if found.get("slo") else workload.slo
     assert slo is not None
     if found.get("rate_start"):  # the rates the search used (an ``auto`` start, derived)
         workload = dataclasses.replace(workload, rate_start=found["rate_start"],
                                        rate_ceiling=found["rate_ceiling"])
-    best = found["max_concurrency"]
-    at = points.get(best, {})
     out = {"objective": slo.describe(), "objective_basis": slo.basis, "workload": workload.name,
            **{k: v for k, v in found.items() if k != "slo"},
            "bounds": {_latency_key(m, slo.percentile): v for m, v in slo.bounds().items()},
            "points": {str(c): p for c, p in found["points"].items()},
            "traffic": traffic_model(workload)}
-    high = found.get("capacity_high")
-    if workload.by_rate:  # its levels are arrival rates, not concurrencies: requests/s
+    best = found["capacity"]
+    fit = found.get("fit") or {}
+    # a rate search's capacity is the rate at the knee itself (rates are not whole); a
+    # concurrency search's, whole users at or below it
+    at = float(fit["knee"]) if workload.by_rate and fit.get("knee") is not None else best
+    low, high = found["capacity_low"], found["capacity_high"]
+    if workload.by_rate:
+        if fit:
+            low = None if fit.get("low") is None else max(0.0, float(fit["low"]))
+            high = None if fit.get("high") is None else min(float(found["ceiling"]),
+                                                            float(fit["high"]))
+        rate = workload.rate_of  # a level's requests/s (levels 1, 2, ... from rate_start)
         out["search_by"] = "rate"
-        out[tracking.SLO_MAX_REQUEST_RATE] = workload.rate_of(best) if best else 0.0
-        if high is not None:
-            out[tracking.SLO_REQUEST_RATE_HIGH] = workload.rate_of(high)
-        out["points"] = {c: {**p, "rate": workload.rate_of(int(c))}
-                         for c, p in out["points"].items()}
+        out[tracking.SLO_MAX_REQUEST_RATE] = rate(at) if at else 0.0
+        out[tracking.SLO_REQUEST_RATE_LOW] = rate(low) if low else (0.0 if low == 0 else None)
+        out[tracking.SLO_REQUEST_RATE_HIGH] = rate(high) if high else None
+        out["points"] = {c: {**p, "rate": rate(int(c))} for c, p in out["points"].items()}
     else:
         out[tracking.SLO_MAX_CONCURRENCY] = best
-        if high is not None:
-            out[tracking.SLO_CAPACITY_HIGH] = high
-    if best in found["points"]:
-        out[tracking.SLO_ATTAINMENT] = found["points"][best]["attainment"]
-        out[tracking.SLO_ATTAINMENT_LOW] = found["points"][best]["low"]
-    for metric, name in ((tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S),
-                         (tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
-                         (tracking.GOODPUT, tracking.SLO_GOODPUT)):
-        for suffix in ("", "_min", "_max"):
-            if metric + suffix in at:
-                out[name + suffix] = at[metric + suffix]
-    miss = points.get(found.get("first_miss") or -1, {})
-    for metric, name in ((tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
-                         (tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S)):
-        top = miss.get(metric + "_max", miss.get(metric))
-        if top is not None:
-            out[name + "_at_first_miss"] = top
+        out[tracking.SLO_CAPACITY_LOW] = low
+        out[tracking.SLO_CAPACITY_HIGH] = high
+    if fit and at:
+        share = 1 / (1 + math.exp(-(fit["intercept"] + fit["slope"] * (at - fit["centre"]))))
+        out[tracking.SLO_ATTAINMENT] = share
+    if at:
+        for metric, name in ((tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S),
+                             (tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
+                             (tracking.GOODPUT, tracking.SLO_GOODPUT)):
+            for suffix in ("", "_min", "_max"):
+                value = interpolated(points, at, metric + suffix)
+                if value is not None:
+                    out[name + suffix] = value
+        for metric, name in ((tracking.OUTPUT_TOKENS_PER_S, tracking.SLO_OUTPUT_TOKENS_PER_S),
+                             (tracking.REQUESTS_PER_S, tracking.SLO_REQUESTS_PER_S)):
+            # the interval's ends: the slowest run's figure at the low end, the fastest's at
+            # the high end (the cost's dearest and cheapest)
+            for end, load, suffix in (("_at_low", low, "_min"), ("_at_high", high, "_max")):
+                if load:
+                    value = interpolated(points, load, metric + suffix)
+                    if value is None:
+                        value = interpolated(points, load, metric)
+                    if value is not None:
+                        out[name + end] = value
     out["limited_by"] = limited_by(found, points, workload, kv, slo)
     return Capacity.model_validate(out)
 
@@ -235,14 +272,22 @@ def traffic_model(workload: Workload) -> str:
 def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workload,
                kv: dict[str, float], slo: Objective) -> str:
     """Why the capacity is what it is: the search's ceiling, the KV cache, or latency."""
-    if found["censored"] and found.get("ceiling_from") == "the KV cache":
+    outcome = found.get("outcome", "")
+    if outcome == CENSORED and found.get("ceiling_from") == "the KV cache":
         return (f"the KV cache: it holds {found['ceiling']} requests of up to "
-                f"{workload.max_tokens_per_request} tokens (the search's ceiling), and no load up "
-                "to that was shown to miss the objective")
-    if found["censored"]:
-        return (f"the search ceiling: no load up to {found['ceiling']} was shown to miss the "
-                "objective (raise search_ceiling)")
-    miss = found.get("first_miss")
+                f"{workload.max_tokens_per_request} tokens (the search's ceiling), and the "
+                "objective was shown to be met there")
+    if outcome == CENSORED:
+        return (f"the search ceiling: the objective was shown to be met at "
+                f"{workload.load_text(found['ceiling'])} (raise search_ceiling)")
+    if outcome == UNDECIDED_CEILING:
+        return (f"undecided: at the ceiling ({workload.load_text(found['ceiling'])}) the runs' "
+                "share reaches the target but does not show it; raise repeats (REPEATS=)")
+    if outcome.startswith("undecided"):
+        return f"undecided ({outcome}): raise repeats (REPEATS=)"
+    if outcome.startswith("misses"):
+        return f"latency: the objective is missed even at {workload.load_text(1)}"
+    miss = found.get("first_below")
     at_miss = points.get(miss, {}) if miss else {}
     holds = None if workload.by_rate else requests_held(kv, workload.max_tokens_per_request)
     if at_miss.get(tracking.PREEMPTIONS, 0) > 0 or (holds is not None and miss and holds < miss):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.workloads import Workload
 from pipeline.core import tracking
-from pipeline.core.artifacts import AttainmentPoint, BenchSummary, Capacity, ModelBench
+from pipeline.core.artifacts import ESTIMATED, AttainmentPoint, BenchSummary, Capacity, ModelBench
 
 SPEED_METHOD = ("geometric mean of the per-repeat ratios [interval at the look that decided: "
                 "t on log ratios, sequential], n repeats; faster / slower when the interval "
@@ -54,36 +54,39 @@ def lengths_text(lengths: dict[str, float]) -> str:
 
 
 def capacity_range(capacity: Capacity) -> str:
-    """``12 [12-13]``, ``>= 32`` (censored: nothing shown to miss up to the ceiling); a rate
-    search's in requests/s: ``3.36 [3.36-4] req/s``."""
-    if capacity.by_rate:
-        rate, top = capacity.slo_max_request_rate or 0.0, capacity.slo_request_rate_high
-        if capacity.censored:
-            return f">= {rate:.3g} req/s"
-        return (f"{rate:.3g} [{rate:.3g}-{top:.3g}] req/s" if top is not None and top != rate
-                else f"{rate:.3g} req/s")
-    best = capacity.slo_max_concurrency or 0
-    if capacity.censored:
-        return f">= {best}"
-    high = capacity.capacity_high
-    return f"{best} [{best}-{high}]" if high is not None and high != best else str(best)
+    """``14 [11-17]``: the capacity and its 90% interval (``?``: unbounded on that side),
+    ``>= 32 (censored)``, ``32? (undecided at the ceiling)``; a rate search's in req/s."""
+    return capacity.text()
 
 
 def point_text(concurrency: str | int, point: AttainmentPoint) -> str:
-    """``12: 58/60 = 97% [91-100%] meets``: a load point's attainment, bounds and verdict."""
+    """``12: 58/60 = 97% (4 runs, fitted 95%)``: a load's attainment over its full runs."""
     where = f"{point.rate:.3g}/s" if point.rate is not None else str(concurrency)
+    fitted = f", fitted {point.fitted:.0%}" if point.fitted is not None else ""
+    pilots = f" + {point.pilots} pilot" if point.pilots else ""
     return (f"{where}: {point.good}/{point.counted} = {point.attainment:.0%} "
-            f"[{point.low:.0%}-{point.high:.0%}] {point.verdict}")
+            f"({point.runs} runs{pilots}{fitted})")
 
 
 def capacity_text(capacity: Capacity) -> str:
     """One model's capacity at the objective, as one line of text."""
-    if not capacity.best:
+    if not capacity.best and not capacity.undecided:
         first = "the lowest rate searched" if capacity.by_rate else "concurrency 1"
-        return f"not shown to meet the objective even at {first} ({capacity.limited_by})"
+        return f"not met even at {first} ({capacity.limited_by})"
     tps = capacity.slo_output_tokens_per_s
-    unit = "" if capacity.by_rate else " concurrent requests"
-    text = f"{capacity_range(capacity)}{unit}"
+    text = capacity.text(" concurrent requests")
+    said = [f"{capacity.level:.0%} CI"] if capacity.outcome == ESTIMATED and \
+        capacity.interval != (capacity.best, capacity.best) else []
+    if capacity.knee is not None and not capacity.by_rate:
+        said.append(f"knee at {capacity.knee:.1f}")
+    if capacity.bracket:  # where the search looked, not an interval
+        def at(level: int) -> str:
+            point = capacity.points.get(str(level))
+            return f"{point.rate:.3g}" if capacity.by_rate and point is not None and \
+                point.rate is not None else str(level)
+        said.append(f"searched bracket {at(capacity.bracket[0])}-{at(capacity.bracket[1])}")
+    if said:
+        text += f" ({'; '.join(said)})"
     if tps is not None:
         text += (f": {capacity.slo_requests_per_s or 0:.2f} req/s, {tps:.1f} out tok/s "
                  f"[{capacity.slo_output_tokens_per_s_min or tps:.1f}-"
@@ -104,17 +107,16 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
     arrivals = "Poisson" if workload.burstiness == 1 else f"gamma ({workload.burstiness:g})"
     start = (searched[0].rate_start or workload.rate_start) if searched else 0
     ceiling_rate = (searched[0].rate_ceiling or workload.rate_ceiling) if searched else 0
-    searched_how = (f"the highest {arrivals} arrival rate shown to meet {objective}{basis} "
-                    f"(searched from {start:.3g} req/s, doubling up to {ceiling_rate:.3g}, "
-                    "then bisected to steps of "
-                    f"{2 ** workload.rate_step - 1:.0%}" if workload.by_rate else
-                    f"the highest max concurrency shown to meet {objective}{basis} (searched 1, "
-                    f"2, 4, ... up to {ceiling}, then bisected to one user")
+    searched_how = (f"the {arrivals} arrival rate at which {objective}{basis} "
+                    f"(bracketed from {start:.3g} req/s, doubling up to {ceiling_rate:.3g}"
+                    if workload.by_rate else
+                    f"the max concurrency at which {objective}{basis} (bracketed 1, 2, 4, ... "
+                    f"up to {ceiling}")
     wave = "" if workload.by_rate else "; each run's start-up wave not counted"
-    lines = [f"\n{workload.name}: {searched_how}; per point 2 to {workload.repeats} runs until "
-             f"its attainment bounds (exact on its requests, t on its runs' shares) clear or "
-             f"miss {slo.percentile}%; [range]: up to the load below the first shown to miss; "
-             f"cold, distinct prompts{wave})"]
+    lines = [f"\n{workload.name}: {searched_how}; then a grid of 5 loads over the bracket, "
+             f"up to {workload.repeats} runs each; the knee of a quasi-binomial logistic fit "
+             f"over them, [90% interval] by Fieller (? : unbounded), coverage measured by make "
+             f"calibrate; cold, distinct prompts{wave})"]
     for name, entry in summary.models.items():
         data = entry.workloads.get(workload.name)
         if entry.status != "ok" or data is None or data.capacity is None:
@@ -149,6 +151,9 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
                      f"{'cache hits':>10s}")
         lines += [line for name, entry in summary.models.items() if workload.runs_on(name)
                   if (line := _line(name, entry, workload)) is not None]
+        lines += [f"  {name:10s} plan: {entry.engine.plan_note}"
+                  for name, entry in summary.models.items()
+                  if entry.engine.plan_note and workload.runs_on(name)]
         base = summary.models.get("baseline")
         lengths = base.workloads.get(workload.name) if base is not None else None
         if lengths is not None and lengths.lengths:

@@ -80,7 +80,6 @@ class Workload:
     file_sha256: str = ""  # the prompt or trace file's content: part of a measurement's identity
     slo: Objective | None = None  # a capacity search instead of fixed load points
     search_ceiling: int = 32  # 0 (``auto``): what each model's KV cache holds (up to AUTO_CEILING)
-    search_precision: float = 0.0  # 0: to one user (one rate step)
     search_pilot: int = 0  # requests the first run of a search counts (0: a full run)
     # what the search varies: max concurrency (closed loop: each user waits for its answer) or
     # the arrival rate (open loop: requests arrive at rate_start x 2^(k x rate_step) per second,
@@ -269,7 +268,7 @@ FIELDS = {"description": str, "dataset": str, "load_points": list, "headline": i
           "output_len": int, "input_len": int, "range_ratio": (int, float), "prefix_len": int,
           "suffix_len": int, "num_prefixes": int, "compare_prefix_caching": bool,
           "models": str, "prefix_off_models": str, "min_output_tokens": int, "slo": dict,
-          "search_ceiling": (int, str), "search_precision": (int, float), "search_pilot": int,
+          "search_ceiling": (int, str), "search_pilot": int,
           "prompts": str, "trace": str, "trace_sec_multiplier": (int, float),
           "trace_chunk_size": int, "max_repeats": int, "curve_repeats": int, "search_by": str,
           "rate_start": (int, float, str), "rate_ceiling": (int, float),
@@ -280,7 +279,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "prompts_per_concurrency": (1, None), "min_prompts": (1, None), "output_len": (0, None),
     "input_len": (1, None), "range_ratio": (0, 0.999), "prefix_len": (1, None),
     "suffix_len": (1, None), "num_prefixes": (1, None), "min_output_tokens": (0, None),
-    "search_ceiling": (1, None), "search_precision": (0, 0.999), "search_pilot": (0, None),
+    "search_ceiling": (1, None), "search_pilot": (0, None),
     "trace_sec_multiplier": (0.001, None), "trace_chunk_size": (1, None),
     "max_repeats": (0, None), "curve_repeats": (0, None), "rate_start": (0.001, None),
     "rate_ceiling": (0.001, None),
@@ -311,6 +310,12 @@ def load(name_or_path: str) -> Workload:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a workload is a YAML mapping of {', '.join(FIELDS)}.")
     for key, value in data.items():
+        if key == "search_precision":
+            raise ConfigError(
+                f"{path}: field 'search_precision' is no longer read: a capacity search no "
+                "longer bisects to a step; it fits the knee over a grid of 5 loads in its "
+                "bracket and reports the capacity with a 90% interval (docs/bench.md). Remove "
+                "the field; raise repeats (REPEATS=) for a narrower interval.")
         if key not in FIELDS:
             raise ConfigError(f"{path}: unknown field {key!r}; the fields are {', '.join(FIELDS)}.")
         expected = FIELDS[key]

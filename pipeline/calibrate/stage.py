@@ -79,13 +79,19 @@ def noise_levels(settings: CalibrateSettings) -> list[tuple[float, str]]:
     return [(sd, f"per-repeat noise {sd:g}") for sd in DEFAULT_NOISE]
 
 
-def simulate(scenario: Scenario, runs: int, rng: np.random.Generator) -> dict[str, float]:
-    """verdict -> its share over ``runs`` draws."""
+def simulate(scenario: Scenario, runs: int, rng: np.random.Generator
+             ) -> tuple[dict[str, float], list[float]]:
+    """verdict -> its share over ``runs`` draws, and the point estimate's error in each draw
+    (where the scenario has an estimate)."""
     counts: dict[str, int] = {}
+    errors: list[float] = []
     for _ in range(runs):
-        verdict = scenario.draw(rng)
-        counts[verdict] = counts.get(verdict, 0) + 1
-    return {v: c / runs for v, c in sorted(counts.items())}
+        found = scenario.draw(rng)
+        if isinstance(found, tuple):
+            found, error = found
+            errors.append(error)
+        counts[found] = counts.get(found, 0) + 1
+    return {v: c / runs for v, c in sorted(counts.items())}, errors
 
 
 def mc_error(rate: float, runs: int) -> float:
@@ -94,8 +100,13 @@ def mc_error(rate: float, runs: int) -> float:
     return 2 * math.sqrt(p * (1 - p) / runs)
 
 
-def rows_for(scenario: Scenario, rates: dict[str, float], runs: int) -> list[dict[str, Any]]:
-    """One row per verdict seen (and per wrong verdict with a nominal, seen or not)."""
+BIAS = "point estimate's bias"
+
+
+def rows_for(scenario: Scenario, rates: dict[str, float], errors: list[float] | None = None,
+             *, runs: int) -> list[dict[str, Any]]:
+    """One row per verdict seen (and per wrong verdict with a nominal, seen or not), and one
+    for the point estimate's mean error where the scenario has one (``unit``: loads)."""
     out = []
     for verdict in sorted(set(rates) | set(scenario.nominal)):
         rate = rates.get(verdict, 0.0)
@@ -103,18 +114,32 @@ def rows_for(scenario: Scenario, rates: dict[str, float], runs: int) -> list[dic
         error = mc_error(rate, runs)
         out.append({"kind": scenario.kind, "scenario": scenario.name, "truth": scenario.truth,
                     "verdict": verdict, "rate": rate, "nominal": nominal, "mc_error": error,
-                    "runs": runs, "within": nominal is None or rate <= nominal + error})
+                    "runs": runs, "within": nominal is None or rate <= nominal + error,
+                    "unit": "share"})
+    if errors:
+        bias = statistics.fmean(errors)
+        error = 2 * statistics.pstdev(errors) / math.sqrt(len(errors))
+        bound = scenario.bias_bound
+        out.append({"kind": scenario.kind, "scenario": scenario.name, "truth": scenario.truth,
+                    "verdict": BIAS, "rate": bias, "nominal": bound, "mc_error": error,
+                    "runs": len(errors), "unit": "loads",
+                    "within": bound is None or abs(bias) <= bound + error})
     return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'verdict kind':15s} {'scenario':62s} {'verdict':18s} {'rate':>7s} "
-             f"{'nominal':>8s} {'+-MC':>6s}"]
+    lines = [f"{'verdict kind':15s} {'scenario':62s} {'verdict':24s} {'rate':>8s} "
+             f"{'nominal':>9s} {'+-MC':>6s}"]
     for r in rows:
-        nominal = f"<= {r['nominal']:.1%}" if r["nominal"] is not None else ""
         flag = "" if r["within"] else "  ABOVE NOMINAL"
-        lines.append(f"{r['kind']:15s} {r['scenario'][:62]:62s} {r['verdict'][:18]:18s} "
-                     f"{r['rate']:7.1%} {nominal:>8s} {r['mc_error']:6.1%}{flag}")
+        if r.get("unit") == "loads":  # a mean error, in loads (users or rate levels)
+            nominal = f"|.|<= {r['nominal']:g}" if r["nominal"] is not None else ""
+            rate, mc = f"{r['rate']:+8.2f}", f"{r['mc_error']:6.2f}"
+        else:
+            nominal = f"<= {r['nominal']:.1%}" if r["nominal"] is not None else ""
+            rate, mc = f"{r['rate']:8.1%}", f"{r['mc_error']:6.1%}"
+        lines.append(f"{r['kind']:15s} {r['scenario'][:62]:62s} {r['verdict'][:24]:24s} "
+                     f"{rate} {nominal:>9s} {mc}{flag}")
     return "\n".join(lines)
 
 
@@ -130,10 +155,10 @@ def calibrate(settings: CalibrateSettings) -> list[dict[str, Any]]:
             if rows and scenario.kind not in ("speed", "recommendation") and any(
                     r["scenario"] == scenario.name for r in rows):
                 continue  # the noise level only changes the speed scenarios
-            rows += rows_for(scenario, simulate(scenario, settings.runs, rng), settings.runs)
+            rows += rows_for(scenario, *simulate(scenario, settings.runs, rng), runs=settings.runs)
     for scenario in [*two_speed_host(looks), *drifting_host(looks)]:
         if not settings.fast or scenario.fast:
-            rows += rows_for(scenario, simulate(scenario, settings.runs, rng), settings.runs)
+            rows += rows_for(scenario, *simulate(scenario, settings.runs, rng), runs=settings.runs)
     return rows
 
 
@@ -147,5 +172,7 @@ def run(settings: CalibrateSettings) -> list[dict[str, Any]]:
     if above:
         raise CalibrationFailed("a verdict is wrong more often than it claims: " + "; ".join(
             f"{r['scenario']}: '{r['verdict']}' {r['rate']:.1%} > {r['nominal']:.1%} + "
-            f"{r['mc_error']:.1%}" for r in above))
+            f"{r['mc_error']:.1%}" if r.get("unit") != "loads" else
+            f"{r['scenario']}: {r['verdict']} {r['rate']:+.2f} loads, beyond +-{r['nominal']:g}"
+            f" + {r['mc_error']:.2f}" for r in above))
     return rows

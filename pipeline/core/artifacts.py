@@ -252,32 +252,33 @@ class SensitivityTable(Artifact):
 
 # --- bench --------------------------------------------------------------------------------------
 class AttainmentPoint(BaseModel):
-    """One load a capacity search visited: requests within the objective over those counted,
-    its runs and looks, the attainment's bounds and the verdict they gave."""
+    """One load a capacity search visited: requests within the objective over those counted
+    in its full runs, its runs and pilot runs, the attainment's one-sided bounds, whether it
+    was on the grid the knee was fitted over, and the fitted share there."""
 
     model_config = ConfigDict(extra="ignore")
     good: int
     counted: int
     runs: int = 0
-    looks: int = 0
+    pilots: int = 0
     attainment: float
     low: float
     high: float
-    verdict: str
+    grid: bool = False
+    fitted: float | None = None
     rate: float | None = None  # a rate search: the level's arrival rate (requests/s)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _counted(cls, value: Any) -> Any:
-        if isinstance(value, dict) and "counted" not in value and "sent" in value:
-            return {**value, "counted": value["sent"]}  # before start-up waves were left out
-        return value
+
+# how a capacity search ended (Capacity.outcome)
+ESTIMATED, CENSORED, UNDECIDED_CEILING = "estimated", "censored", "undecided at the ceiling"
 
 
 class Capacity(BaseModel):
-    """A capacity search at a latency objective, as the bench recorded it: the largest load
-    shown to meet it, the range up to the load below the smallest shown to miss it, every
-    point visited, and the throughput there (figures under their MLflow metric names)."""
+    """A capacity search at a latency objective, as the bench recorded it: the capacity (the
+    largest whole load at or below the fitted knee of the attainment curve) with its interval,
+    how the search ended, every load visited, and the throughput at the capacity and at the
+    interval's ends (figures under their MLflow metric names; a bound is exported under a name
+    that says so: :meth:`metrics`)."""
 
     model_config = ConfigDict(extra="ignore")
     workload: str
@@ -285,34 +286,40 @@ class Capacity(BaseModel):
     objective_basis: str = ""
     search_by: Literal["concurrency", "rate"] = "concurrency"
     traffic: str = ""  # the traffic model the capacity assumes, in words
-    max_concurrency: int = 0  # the search's level shown to meet (0: none)
+    capacity: int = 0  # in whole loads (a rate search: its level); 0: none
+    capacity_low: int | None = None  # the interval's ends (None: unbounded on that side)
     capacity_high: int | None = None
-    censored: bool = False  # no load up to the ceiling was shown to miss
-    first_miss: int | None = None
+    knee: float | None = None  # the fitted load (a fraction; None: none fitted)
+    level: float = 0.9  # the interval's confidence
+    outcome: str = ""  # estimated | censored | undecided at the ceiling | misses at ...
+    censored: bool = False  # the ceiling was shown to meet the objective: capacity >= it
+    bracket: list[int] | None = None  # the grid's ends: last load reached, first not
+    fit: dict[str, float | int | None] | None = None
     ceiling: int | None = None
     ceiling_from: str = ""
     target: float = 0.9  # the attainment the objective asks for
-    alpha_look: float | None = None
-    undecided: list[int] = Field(default_factory=list)
     rate_start: float | None = None
     rate_ceiling: float | None = None
     points: dict[str, AttainmentPoint] = Field(default_factory=dict)
     bounds: dict[str, float] = Field(default_factory=dict)  # the latency bounds, by figure
     limited_by: str = ""
-    slo_max_concurrency: int | None = None
+    slo_max_concurrency: int | None = None  # the capacity in users
+    slo_capacity_low: int | None = None
     slo_capacity_high: int | None = None
-    slo_max_request_rate: float | None = None
+    slo_max_request_rate: float | None = None  # a rate search's: requests/s at the knee
+    slo_request_rate_low: float | None = None
     slo_request_rate_high: float | None = None
-    slo_attainment: float | None = None
-    slo_attainment_low: float | None = None
+    slo_attainment: float | None = None  # the fitted share at the capacity
     slo_requests_per_s: float | None = None
     slo_requests_per_s_min: float | None = None
     slo_requests_per_s_max: float | None = None
-    slo_requests_per_s_at_first_miss: float | None = None
+    slo_requests_per_s_at_low: float | None = None  # at the interval's low end
+    slo_requests_per_s_at_high: float | None = None
     slo_output_tokens_per_s: float | None = None
     slo_output_tokens_per_s_min: float | None = None
     slo_output_tokens_per_s_max: float | None = None
-    slo_output_tokens_per_s_at_first_miss: float | None = None
+    slo_output_tokens_per_s_at_low: float | None = None
+    slo_output_tokens_per_s_at_high: float | None = None
     slo_goodput_requests_per_s: float | None = None
     slo_goodput_requests_per_s_min: float | None = None
     slo_goodput_requests_per_s_max: float | None = None
@@ -321,6 +328,7 @@ class Capacity(BaseModel):
     curve: dict[int, dict[str, float]] = Field(default_factory=dict)
     measurement: str = ""
     other_objective: bool = False
+    price: Price | None = None  # the devices of the run that measured it, priced (compare)
 
     @property
     def by_rate(self) -> bool:
@@ -331,10 +339,48 @@ class Capacity(BaseModel):
         """The capacity: concurrent users, or requests/s for a rate search."""
         return self.slo_max_request_rate if self.by_rate else self.slo_max_concurrency
 
+    @property
+    def interval(self) -> tuple[float | None, float | None]:
+        """The capacity's interval in its unit (users or requests/s); None: unbounded."""
+        if self.by_rate:
+            return self.slo_request_rate_low, self.slo_request_rate_high
+        return self.slo_capacity_low, self.slo_capacity_high
+
+    @property
+    def undecided(self) -> bool:
+        """The search ended without a capacity to stand on (undecided at the ceiling or at
+        the first load)."""
+        return self.outcome.startswith("undecided")
+
+    def text(self, users: str = "") -> str:
+        """``14 [11-17]`` (the capacity and its interval), ``14 [11-?]`` (unbounded above),
+        ``>= 32 (censored)``, ``32? (undecided at the ceiling)``; a rate search's in req/s, a
+        concurrency search's followed by ``users`` (its unit in words)."""
+        def unit(v: float | None) -> str:
+            if v is None:
+                return "?"
+            return f"{v:.3g}" if self.by_rate else f"{v:.0f}"
+        best = self.best or 0
+        suffix = " req/s" if self.by_rate else users
+        if self.censored:
+            return f">= {unit(best)}{suffix} (censored)"
+        if self.undecided:
+            return f"{unit(best)}?{suffix} ({self.outcome})"
+        low, high = self.interval
+        if low == high == best or not self.outcome:  # one load, or recorded before intervals
+            return f"{unit(best)}{suffix}"
+        return f"{unit(best)} [{unit(low)}-{unit(high)}]{suffix}"
+
     def metrics(self) -> dict[str, float]:
-        """Its figures under their MLflow metric names (``slo_*``)."""
-        return {k: float(v) for k, v in self.model_dump().items()
-                if k.startswith("slo_") and v is not None}
+        """Its figures under their MLflow metric names (``slo_*``); a censored capacity, which
+        is only a lower bound, as ``<name>_lower_bound``, never as a plain figure."""
+        out = {k: float(v) for k, v in self.model_dump().items()
+               if k.startswith("slo_") and v is not None}
+        if self.censored or self.undecided:
+            for key in ("slo_max_concurrency", "slo_max_request_rate"):
+                if key in out:
+                    out[key + ("_lower_bound" if self.censored else "_undecided")] = out.pop(key)
+        return out
 
 
 class EngineUse(BaseModel):
@@ -352,6 +398,7 @@ class EngineUse(BaseModel):
     kv_budget_source: str = ""
     kernels_by_layer: dict[str, str] = Field(default_factory=dict)  # W4A16 on a GPU
     kernels_by_layer_text: str = ""
+    plan_note: str = ""  # the planner refused the model: why (the engine's figures still hold)
 
 
 class WorkloadFigures(BaseModel):
@@ -495,23 +542,42 @@ class PlanTarget(BaseModel):
 
 
 class CostTarget(BaseModel):
-    """What cost figures are computed for: the hourly price of the machine the speed was
-    measured on and a target load. ``price_per_hour: null`` takes that machine's accelerator
-    preset's price (``configs/accelerators``), or ``host_price_per_hour`` on a host without a
-    GPU."""
+    """What cost figures are computed for: the price of one device-hour of the machine a
+    capacity was measured on, multiplied by the devices that run's server used (TP x PP GPUs,
+    or one host), and a target load. ``price_per_device_hour: null`` takes that machine's
+    accelerator preset's price (``configs/accelerators``), or ``host_price_per_device_hour`` on
+    a host without a GPU."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    price_per_hour: float | None = Field(None, gt=0)
-    host_price_per_hour: float = Field(0.10, gt=0)
+    price_per_device_hour: float | None = Field(None, gt=0)
+    host_price_per_device_hour: float = Field(0.10, gt=0)
     target_users: int | None = Field(None, gt=0)  # concurrent users to serve
     target_rps: float | None = Field(None, gt=0)  # requests per second to serve
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for old, new in RENAMED_PRICES.items():
+                if old in value:
+                    raise ValueError(f"{old} is now {new}: USD per device-hour, multiplied by "
+                                     "the devices of the run that measured each capacity")
+        return value
+
+
+# a price's old names, refused with the new one named (one unit: USD per device-hour)
+RENAMED_PRICES = {"price_per_hour": "price_per_device_hour",
+                  "host_price_per_hour": "host_price_per_device_hour"}
+
 
 class Price(BaseModel):
-    """The hourly price of what one server used, where it comes from, and whether it is an
-    example figure (every price the user did not set)."""
+    """The hourly price of what one server used (``devices`` x ``price_per_device_hour``),
+    where it comes from, and whether it is an example figure (every price the user did not
+    set)."""
 
-    price_per_hour: float
+    price_per_hour: float  # per server: devices x price_per_device_hour
+    price_per_device_hour: float | None = None
+    devices: int = 1
     example: bool = True
     source: str = ""
 
@@ -592,11 +658,14 @@ class Prediction(BaseModel):
 
 class CostFigures(BaseModel):
     """What a row costs per million output tokens at its capacity (and, ``rate_``, at its
-    arrival-rate capacity), with the range from the capacity's; a censored capacity gives only
-    the dearest end, an upper bound (``cost_bound``); and the machines a target load needs."""
+    arrival-rate capacity), each priced on the devices of the run that measured it, with the
+    range from the capacity's interval (None: unbounded on that side); a censored capacity
+    gives only the dearest end, an upper bound (``cost_bound``, exported as
+    ``<name>_upper_bound``: :meth:`metrics`); and the machines a target load needs."""
 
     model_config = ConfigDict(extra="ignore")
-    price_per_hour: float
+    price_per_hour: float  # the concurrency capacity's server, per hour
+    rate_price_per_hour: float | None = None  # the rate capacity's, where it has one
     usd_per_million_output_tokens: float | None = None
     usd_per_million_output_tokens_min: float | None = None
     usd_per_million_output_tokens_max: float | None = None
@@ -618,9 +687,18 @@ class CostFigures(BaseModel):
                 getattr(self, prefix + "cost_bound") == "upper")
 
     def metrics(self) -> dict[str, float]:
-        """Its figures under their MLflow metric names."""
-        return {k: float(v) for k, v in self.model_dump().items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        """Its figures under their MLflow metric names; a bound's under ``<name>_upper_bound``
+        (its dearest end), never under the plain figure's name."""
+        out = {k: float(v) for k, v in self.model_dump().items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        for prefix in ("", "rate_"):
+            if getattr(self, prefix + "cost_bound") == "upper":
+                key = f"{prefix}usd_per_million_output_tokens"
+                bound = out.pop(key + "_max", None)
+                out.pop(key, None)
+                if bound is not None:
+                    out[key + "_upper_bound"] = bound
+        return out
 
 
 class Row(BaseModel):

@@ -279,12 +279,15 @@ ENGINE_WEIGHT_MEMORY_BYTES = "engine_weight_memory_bytes"  # "Model loading took
 KV_CACHE_MEMORY_BYTES = "kv_cache_memory_bytes"  # the KV budget the engine used, per device
 # capacity at a latency objective (a workload with an slo): the highest max concurrency found
 # to meet it, and the medians measured there
-SLO_MAX_CONCURRENCY = "slo_max_concurrency"  # the largest load shown to meet the objective
-SLO_CAPACITY_HIGH = "slo_capacity_high"  # the load below the smallest shown to miss it
-SLO_MAX_REQUEST_RATE = "slo_max_request_rate"  # a rate search: req/s shown to meet it
-SLO_REQUEST_RATE_HIGH = "slo_request_rate_high"  # the top of its range
+# the capacity at the objective: the largest whole load at or below the fitted knee, and its
+# interval's ends (a censored capacity, a lower bound, is logged as <name>_lower_bound)
+SLO_MAX_CONCURRENCY = "slo_max_concurrency"
+SLO_CAPACITY_LOW = "slo_capacity_low"
+SLO_CAPACITY_HIGH = "slo_capacity_high"
+SLO_MAX_REQUEST_RATE = "slo_max_request_rate"  # a rate search: req/s at the knee
+SLO_REQUEST_RATE_LOW = "slo_request_rate_low"
+SLO_REQUEST_RATE_HIGH = "slo_request_rate_high"
 SLO_ATTAINMENT = "slo_attainment"  # share of requests within the objective (stepped: per load)
-SLO_ATTAINMENT_LOW = "slo_attainment_low"  # its exact lower bound at the verdict's level
 SLO_REQUESTS_PER_S = "slo_requests_per_s"
 SLO_OUTPUT_TOKENS_PER_S = "slo_output_tokens_per_s"
 SLO_GOODPUT = "slo_goodput_requests_per_s"  # vLLM's goodput (requests meeting ttft/tpot/e2el)

@@ -2,7 +2,7 @@
 
 Each file gives ``name``, ``description``, the memory the runtime sees (``memory_gib``, in
 2^30 bytes, or ``memory_bytes``), the engine's KV ``block_size`` and, for cost figures, an
-hourly ``price_per_hour`` (USD; an example figure with its date: set the price you pay) and
+``price_per_device_hour`` (USD; an example figure with its date: set the price you pay) and
 its ``compute_capability`` (which kernels vLLM chooses there: the precision search's TARGET=).
 """
 
@@ -26,7 +26,7 @@ class Accelerator:
     description: str
     memory_bytes: int
     block_size: int = 16
-    price_per_hour: float | None = None  # USD per device-hour; the file says where it is from
+    price_per_device_hour: float | None = None  # USD; the file says where it is from
     compute_capability: str = ""  # "9.0": which kernels vLLM chooses for it
 
 
@@ -46,17 +46,20 @@ def _load(path: Path) -> Accelerator:
     block_size = int(data.get("block_size", 16))
     if memory <= 0 or block_size <= 0:
         raise PlanError(f"{path}: memory and block_size must be positive.")
-    price = data.get("price_per_hour")
+    if "price_per_hour" in data:
+        raise PlanError(f"{path}: price_per_hour is now price_per_device_hour (USD per "
+                        "device-hour: a server's price is that times its TP x PP GPUs).")
+    price = data.get("price_per_device_hour")
     if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
                               or price <= 0):
-        raise PlanError(f"{path}: price_per_hour is a positive number (USD per hour), not "
-                        f"{price!r}.")
+        raise PlanError(f"{path}: price_per_device_hour is a positive number (USD per "
+                        f"device-hour), not {price!r}.")
     return Accelerator(
         name=str(data.get("name", path.stem)),
         description=str(data.get("description", path.stem)),
         memory_bytes=memory,
         block_size=block_size,
-        price_per_hour=float(price) if price is not None else None,
+        price_per_device_hour=float(price) if price is not None else None,
         compute_capability=str(data.get("compute_capability", "")),
     )
 

@@ -155,6 +155,9 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
             row.measurement = measurement_label(path, summary)
             sources[f"bench:{row.name}"] = str(path)
             prices[row.name] = cost.price_of(cost_target, cost.devices_of(summary))
+            for field in ("capacity", "rate_capacity"):  # priced on the run that measured it
+                if (found_cap := getattr(row, field)) is not None:
+                    setattr(row, field, found_cap.model_copy(update={"price": prices[row.name]}))
             basis = compared_as(summary, in_reference is not None, identities[BASELINE],
                                 measured_on, per_variant)
             if basis == REFERENCE:
@@ -168,8 +171,8 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
                 row.notes.append(f"speed from {row.measurement}, {basis}, so it is shown but "
                                  "not compared, priced against the others or recommended")
             if row.serving == "ok" and (row.capacity is None or row.rate_capacity is None):
-                newest_capacity(row, identities[row.name], summaries, measured_on, prices,
-                                 cost_target)
+                newest_capacity(row, identities[row.name], summaries, measured_on,
+                                cost_target)
             if row.serving == "failed":
                 failed.append(Failure(variant=row.name, stage="bench", reason=row.serving_reason,
                                       log=row.serving_log))
@@ -189,8 +192,8 @@ def collect(base: BaselineLike, recipes: list[str] | None = None,
     one_objective(rows, "rate_capacity")
     for row in rows:
         if row.serving == "ok" and row.comparable and row.name in prices:
-            row.price = prices[row.name]
-            row.cost = cost.figures(row, row.price.price_per_hour, cost_target)
+            row.price = cost.capacity_price(row, prices[row.name])
+            row.cost = cost.figures(row, cost_target, prices[row.name])
     best, reason = recommend(rows, objective)
     return Comparison(baseline=base.name, rows=rows, workload=workload, load_point=load_point,
                       own_dtype_speedup=own_dtype_speedup(reference[1] if reference else None),

@@ -173,17 +173,23 @@ def plot_capacity(comparison: Comparison) -> tuple[str, str]:
         ys = [points[c].attainment for c in xs]
         err = [[y - points[c].low for c, y in zip(xs, ys, strict=True)],
                [points[c].high - y for c, y in zip(xs, ys, strict=True)]]
-        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=row.name)[0]
-        best = cap.slo_max_concurrency
-        if best in points:
-            ax.scatter([best], [points[best].attainment], s=90, facecolors="none",
-                       edgecolors=line.get_color(), zorder=3)
+        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, ls="none",
+                           label=row.name)[0]
+        fitted = [(c, p.fitted) for c, p in sorted(points.items()) if p.fitted is not None]
+        if fitted:  # the curve the knee was fitted on, over the loads it was fitted over
+            ax.plot([c for c, _ in fitted], [f for _, f in fitted], color=line.get_color(),
+                    lw=1)
+        low, high = cap.capacity_low, cap.capacity_high
+        if cap.knee is not None:
+            ax.axvspan(low if low is not None else min(xs), high if high is not None
+                       else max(xs), color=line.get_color(), alpha=0.12)
+            ax.axvline(cap.knee, color=line.get_color(), lw=1, ls=":")
     if found:
         target = found[0][1].target
         ax.axhline(target, color="#c44", lw=1, ls="--", label=f"target {target:.0%}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("max concurrency (circled: the capacity found)")
-    ax.set_ylabel("requests within the objective (bounds)")
+    ax.set_xlabel("max concurrency (dotted: the knee; shaded: its 90% interval)")
+    ax.set_ylabel("requests within the objective (fit: line)")
     ax.set_title("SLO attainment against load")
     if rows:
         ax.legend(fontsize=6)

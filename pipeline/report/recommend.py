@@ -62,10 +62,12 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
         return f"passes its gate but was not served here ({why})"
     if not row.comparable:
         return f"passes its gate but its speed is from another measurement ({row.measurement})"
-    if objective == "cost" and (row.cost is None or
-                                row.cost.usd_per_million_output_tokens is None):
+    if objective == "cost" and (row.cost is None or (row.cost.at()[2] is None and
+                                row.cost.usd_per_million_output_tokens is None)):
         why = ("its capacity is at another objective than the baseline's"
                if row.capacity is not None and row.capacity.other_objective else
+               f"its capacity is {row.capacity.outcome}" if row.capacity is not None and
+               row.capacity.undecided else
                "its capacity at the latency objective was not measured or is 0 (the capacity "
                "search: make all OBJECTIVE=cost runs it, or make bench WORKLOAD=capacity)")
         return f"passes its gate but has no cost figure: {why}"
@@ -117,7 +119,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
     elif objective == "cost":  # the cost each is shown to stay under
-        best = min(eligible, key=lambda r: r.cost.at()[2] if r.cost else math.inf)
+        best = min(eligible, key=lambda r: r.cost.at()[2] or math.inf if r.cost else math.inf)
     else:
         best = max(eligible, key=lambda r: (r.plan.planned_max_concurrency_paged if r.plan else 0,
                                             -r.weight_bytes))
@@ -127,7 +129,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
     if best.plan:
         reason += (f", {best.plan.planned_max_concurrency_paged:,} concurrent "
                    "requests planned")
-    if best.cost and best.cost.usd_per_million_output_tokens is not None and best.capacity:
+    if best.cost and best.cost.at()[2] is not None and best.capacity:
         reason += (f", {cost.range_text(best.cost)} per million output tokens at "
                    f"{capacity_range(best.capacity)} concurrent requests within the latency "
                    f"objective (capacity measured; priced at {price_text(best.price)})")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.bench.reference import FLOAT32
-from pipeline.core.artifacts import BenchSummary, Capacity, CostTarget, ModelBench, Price, Row
+from pipeline.core.artifacts import BenchSummary, Capacity, CostTarget, ModelBench, Row
 from pipeline.core.variant import BASELINE
 from pipeline.report import cost, crossover
 
@@ -85,11 +85,10 @@ def capacity_of(entry: ModelBench, by: str = "concurrency") -> Capacity | None:
 
 
 def newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSummary]],
-                     hardware_key: str, prices: dict[str, Price],
-                     target: CostTarget) -> None:
+                    hardware_key: str, target: CostTarget) -> None:
     """A capacity search made in another run on the compared hardware (``make bench
     WORKLOAD=capacity``): an absolute figure, shown with the run it comes from and priced on
-    the devices that run used."""
+    the devices that run used (its own price, not the speed run's)."""
     for by, field in (("concurrency", "capacity"), ("rate", "rate_capacity")):
         if getattr(row, field):
             continue
@@ -98,9 +97,10 @@ def newest_capacity(row: Row, identity: str, summaries: list[tuple[Path, BenchSu
             found = capacity_of(entry, by) if entry is not None and entry.status == "ok" \
                 else None
             if found is not None and summary.hardware.get("key") == hardware_key:
-                prices.setdefault(row.name, cost.price_of(target, cost.devices_of(summary)))
                 label = measurement_label(path, summary)
-                setattr(row, field, found.model_copy(update={"measurement": label}))
+                price = cost.price_of(target, cost.devices_of(summary))
+                setattr(row, field, found.model_copy(update={"measurement": label,
+                                                             "price": price}))
                 row.notes.append(f"capacity at the objective ({by}) from {label}")
                 break
 
@@ -157,6 +157,8 @@ def apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[str
     head = summary.headline.get(first) or None
     row.serving, row.serving_reason, row.serving_log = entry.status, entry.reason, entry.log
     row.kv, row.engine = dict(entry.kv), entry.engine
+    if row.engine.plan_note:
+        row.notes.append(f"bench: {row.engine.plan_note}")
     if row.engine.fp8_weight_only:
         row.notes.append(f"served as {row.engine.scheme}: its speed is not an FP8 W8A8 speed")
     if row.engine.kernels_by_layer_text:

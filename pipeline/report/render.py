@@ -180,20 +180,21 @@ def capacity_lines(comparison: Comparison) -> list[str]:
         objective += f" ({searched.objective_basis})"
     where = comparison.hardware or "the machine of the bench run"
     if objective:
-        out.append(f"users @objective: the highest max concurrency shown to meet {objective} "
-                   "(searched in steady state, each point run until its attainment's bounds "
-                   "decide: exact on its requests, t on its runs' shares, two runs at least; "
-                   f"[range] up to the load below the first shown to miss; measured on {where}); "
-                   "its cost: the hourly price of the devices that run's server used over the "
-                   "output tokens/s measured there [from the slowest run there to the fastest at "
-                   "the first load shown to miss; <= a bound where the search was censored]")
+        out.append(f"users @objective: the max concurrency at which {objective} (the knee "
+                   "of the attainment curve, fitted over a grid of 5 loads in the bracket, in "
+                   "steady state; [90% interval], ? where unbounded, coverage measured by make "
+                   f"calibrate; >= where the ceiling was shown to meet it; measured on {where}); "
+                   "its cost: USD per device-hour x the devices of the run that measured it, "
+                   "over the output tokens/s at the capacity [from the slowest run at the "
+                   "interval's low end to the fastest at its high end; <= a bound where the "
+                   "search was censored]")
     rated = next((r.rate_capacity for r in comparison.rows if r.rate_capacity is not None),
                  None)
     if rated is not None and rated.objective:
         basis = f" ({rated.objective_basis})" if rated.objective_basis else ""
         closed = searched.traffic if searched is not None and searched.traffic else \
             "a closed loop"
-        out.append(f"req/s @objective: the highest arrival rate shown to meet "
+        out.append(f"req/s @objective: the arrival rate at which "
                    f"{rated.objective}{basis} ({rated.traffic or 'open loop'}); users "
                    f"@objective assumes {closed}; each cost is at its own search's capacity")
     sources = {(price_text(r.price), r.price.source or "?") for r in comparison.rows
@@ -309,12 +310,15 @@ CSV_FIELDS = ("variant", "recipe", "scheme", "format", "precision", "weight_byte
               "output_tokens_per_s_min", "output_tokens_per_s_max", "speedup",
               tracking.SPEEDUP_CI_LOW, tracking.SPEEDUP_CI_HIGH, tracking.SPEEDUP_N,
               "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-              tracking.SLO_MAX_CONCURRENCY, tracking.SLO_REQUESTS_PER_S,
-              tracking.SLO_OUTPUT_TOKENS_PER_S, tracking.SLO_CAPACITY_HIGH, "censored",
-              tracking.SLO_MAX_REQUEST_RATE, tracking.SLO_REQUEST_RATE_HIGH,
-              "rate_" + USD_PER_MTOK,
-              USD_PER_MTOK, USD_PER_MTOK + "_min", USD_PER_MTOK + "_max", "cost_bound",
-              "price_per_hour", "price_basis",
+              "capacity_outcome", tracking.SLO_MAX_CONCURRENCY,
+              tracking.SLO_MAX_CONCURRENCY + "_lower_bound", tracking.SLO_CAPACITY_LOW,
+              tracking.SLO_CAPACITY_HIGH, tracking.SLO_REQUESTS_PER_S,
+              tracking.SLO_OUTPUT_TOKENS_PER_S, tracking.SLO_MAX_REQUEST_RATE,
+              tracking.SLO_MAX_REQUEST_RATE + "_lower_bound", tracking.SLO_REQUEST_RATE_LOW,
+              tracking.SLO_REQUEST_RATE_HIGH, "rate_" + USD_PER_MTOK,
+              USD_PER_MTOK, USD_PER_MTOK + "_min", USD_PER_MTOK + "_max",
+              USD_PER_MTOK + "_upper_bound", "price_per_hour", "price_per_device_hour",
+              "devices", "price_basis",
               "eval_backend", "gate", "threshold_pct", "engine_scheme", "kl_div_mean",
               "predicted_kl",
               tracking.ENGINE_WEIGHT_MEMORY_BYTES, tracking.KV_CACHE_MEMORY_BYTES, "measurement",
@@ -351,8 +355,12 @@ def csv_text(comparison: Comparison) -> str:
             "kl_div_mean": row.divergence.get("kl_div_mean"),
             "predicted_kl": row.search.predicted_kl if row.search else None,
             "price_per_hour": row.price.price_per_hour if row.price else None,
-            "price_basis": price_basis(row.price)}
-        searched = [found.model_dump(exclude_none=True) if found is not None else {}
+            "price_per_device_hour": row.price.price_per_device_hour if row.price else None,
+            "devices": row.price.devices if row.price else None,
+            "price_basis": price_basis(row.price),
+            "capacity_outcome": row.capacity.outcome if row.capacity else ""}
+        # the figures as exported to MLflow: a bound under a name that says so
+        searched = [found.metrics() if found is not None else {}
                     for found in (row.capacity, row.rate_capacity, row.cost)]
         for key in CSV_FIELDS:
             for source in (h, *searched):

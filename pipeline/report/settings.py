@@ -12,10 +12,11 @@ class CostOverrides(BaseModel):
     """What overrides a campaign file's ``cost:`` block."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    price_per_hour: float | None = Field(
-        None, gt=0, description="USD per hour of the machine the speed is measured on "
-        "(default: its accelerator preset's example price, or the campaign's "
-        "host_price_per_hour)", json_schema_extra={"make": "PRICE_PER_HOUR"})
+    price_per_device_hour: float | None = Field(
+        None, gt=0, description="USD per device-hour, times the devices (TP x PP GPUs, or the "
+        "host) of the run that measured each capacity (default: the accelerator preset's "
+        "example price, or the campaign's host_price_per_device_hour)",
+        json_schema_extra={"make": "PRICE_PER_DEVICE_HOUR"})
     target_users: int | None = Field(None, gt=0, description="concurrent users to serve: "
                                      "machines needed at the latency objective",
                                      json_schema_extra={"make": "TARGET_USERS"})
