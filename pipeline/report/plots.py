@@ -156,9 +156,9 @@ def plot_tasks(comparison: Comparison) -> tuple[str, str]:
 
 
 def plot_capacity(comparison: Comparison) -> tuple[str, str]:
-    """The capacity search: each load point's SLO attainment with its bounds against the
-    target (first panel), then each bounded latency percentile against load with the
-    objective drawn as a line; each model's capacity circled."""
+    """The capacity search: each load's SLO attainment with its bounds against the target,
+    the fitted curve, the knee (dotted) and its 90% interval (shaded) (first panel), then each
+    bounded latency percentile against load with the objective drawn as a line."""
     plt = _pyplot()
     found = [(r, r.capacity) for r in comparison.rows
              if r.serving == "ok" and r.capacity is not None and r.capacity.points]
