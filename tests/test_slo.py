@@ -50,13 +50,17 @@ def test_the_bracket_doubles_on_two_runs_then_a_grid_of_five_loads_gets_its_runs
     assert visited[:8] == [1, 1, 2, 2, 4, 4, 8, 8]  # 16: below 90% on its two runs
     assert visited[8:10] == [16, 16] and found["bracket"] == [8, 16]
     grid = [c for c, p in found["points"].items() if p["grid"]]
-    assert grid == [8, 10, 12, 14, 16]
+    assert grid == [8, 10, 12, 13, 14, 16]
     assert all(found["points"][c]["runs"] == 4 for c in grid)
     # one run per load in turn (fewest runs first), so that a drifting host hits them all
     assert visited[10:13] == [10, 12, 14]
+    # then a finer grid between the two loads the share crosses between (12: 95%, 14: 85%),
+    # (after 3 x 4 + 2 x 2 grid runs), and the fit over the two it then crosses between
+    assert set(visited[10 + 16:]) == {13} and found["fitted_over"] == [13, 14]
     assert 12 <= found["knee"] <= 14 and found["capacity"] == 13
     low, high = found["capacity_low"], found["capacity_high"]
-    assert low <= 13 <= high and high - low <= 3
+    # two neighbouring loads of 160 requests do not show a fall of 5 points at 90%: open
+    assert (low is None or low <= 13) and (high is None or high >= 13)
     assert found["fit"]["dispersion"] >= 1.0
     assert all(p["fitted"] is not None for p in found["points"].values())
 
@@ -132,11 +136,67 @@ def test_a_start_above_one_that_misses_searches_below_it():
 
 
 def test_noisy_requests_on_a_smooth_knee_give_an_interval_that_holds_the_truth():
-    rng = random.Random(0)
+    """A 90% interval: over 40 searches (fixed seeds) it holds the truth in at least 32 (a
+    rule whose intervals held it 80% of the time would pass this 59% of the time, one at 90%
+    98%), and the point is within a load of it in most."""
     curve = attainment_curve(12, 0.95, 14, 0.85)  # the truth: 13 users at >= 90%
-    found, _ = search_with(curve, requests=36, rng=rng, ceiling=32)
-    assert found["capacity_low"] <= 13 <= found["capacity_high"]
-    assert abs(found["capacity"] - 13) <= 1
+    held = near = 0
+    for seed in range(40):
+        found, _ = search_with(curve, requests=36, rng=random.Random(seed), ceiling=32)
+        low, high = found["capacity_low"], found["capacity_high"]
+        held += (low is None or low <= 13) and (high is None or high >= 13)
+        near += abs(found["capacity"] - 13) <= 1
+    assert held >= 32 and near >= 30
+
+
+def search_by_run(share: Callable[[int, int], float], requests: int = 40,
+                  **kwargs) -> tuple[dict, list[int]]:
+    """The search where a run's share depends on its load and its index at that load: two
+    bracketing runs that land on the wrong side of the target by chance."""
+    search, visited = CapacitySearch(**kwargs), []
+    while (step := search.next_run()) is not None:
+        concurrency, run = step
+        visited.append(concurrency)
+        search.record(concurrency, round(share(concurrency, run) * requests), requests)
+    return search.result(), visited
+
+
+def test_a_grid_whose_top_still_meets_is_extended_up_to_the_knee():
+    """16 users: its two bracketing runs 80% (below 90%) by chance, its next two 100%; the knee
+    is at 20. The grid over 8-16 ends on a load that meets, so loads are added above it."""
+    def share(c: int, run: int) -> float:
+        if c == 16 and run < 2:
+            return 0.8
+        return 1.0 if c <= 20 else 0.0
+    found, visited = search_by_run(share, ceiling=64)
+    assert found["bracket"] == [8, 16] and found["points"][16]["attainment"] == 0.9
+    assert {18, 22}.issubset(visited)  # one grid step (2) above the top, then 4 more
+    assert (found["capacity"], found["capacity_low"], found["capacity_high"]) == (20, 20, 20)
+    assert found["outcome"] == "estimated"
+
+
+def test_a_grid_whose_bottom_misses_is_extended_down_to_the_knee():
+    """8 users: its two bracketing runs 100%, its next two 60% (pooled 80%); the knee is at 5."""
+    def share(c: int, run: int) -> float:
+        if c == 8:
+            return 1.0 if run < 2 else 0.6
+        return 1.0 if c <= 5 else 0.5
+    found, visited = search_by_run(share, ceiling=64)
+    assert found["bracket"] == [8, 16] and found["points"][8]["attainment"] == 0.8
+    assert 6 in visited and found["first_below"] == 6 and {5, 6} <= set(found["fitted_over"])
+    assert found["capacity"] in (4, 5)
+
+
+def test_the_crossing_is_read_on_shares_made_to_fall_with_load():
+    """12: 87.5%, 14: 92.5% (noise about a share near 90% at both): the crossing is not at 12
+    but past 14, where the share falls for good (16: 50%)."""
+    shares = {8: 1.0, 10: 0.975, 12: 0.875, 14: 0.925, 16: 0.5}
+
+    def share(c: int, run: int) -> float:
+        return shares.get(c, 1.0 if c < 16 else 0.5)
+    found, _ = search_by_run(share, ceiling=32)
+    assert found["first_below"] == 16 and found["fitted_over"][-1] == 16
+    assert found["capacity"] >= 14
 
 
 def _detailed(ttfts, latencies, output_lens, itls=None, errors=None) -> dict:
@@ -349,9 +409,7 @@ def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_
     assert figures.slo_max_request_rate == pytest.approx(2 ** 1.5)
     assert figures.points["7"].rate == pytest.approx(2 ** 1.5)
     assert figures.traffic.startswith("open loop: Poisson arrivals")
-    from pipeline.bench.table import capacity_range
-
-    assert capacity_range(figures) == "2.83 req/s"
+    assert figures.text() == "2.83 req/s"
     row = Row(name="v", recipe="v", scheme="S", format="f", precision="p", weight_bytes=1,
               weight_ratio=1.0, serving="ok", rate_capacity=figures)
     priced = cost.figures(row, CostTarget(target_rps=10.0), Price(price_per_hour=1.0))

@@ -15,6 +15,7 @@ from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, tracking
 from pipeline.core.artifacts import (
     CENSORED,
+    ESTIMATED,
     UNDECIDED_CEILING,
     BenchSummary,
     Capacity,
@@ -297,9 +298,13 @@ def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workl
                 f"{workload.load_text(miss or 0)}")
     parts = [f"{m.upper()} p{slo.percentile} {at_miss[key]:.0f} ms"
              for m in slo.bounds() if (key := _latency_key(m, slo.percentile)) in at_miss]
+    opened = (outcome == ESTIMATED and (found.get("capacity_low") is None
+                                         or found.get("capacity_high") is None))
     return (f"latency (compute), not the KV cache: at {workload.load_text(miss or 0)} "
             + (", ".join(parts) if parts else "the objective is missed")
-            + (f"; the KV cache holds {holds} such requests" if holds is not None else ""))
+            + (f"; the KV cache holds {holds} such requests" if holds is not None else "")
+            + ("; the interval is open: the two loads it falls between do not show the fall "
+               "at 90% (raise repeats, REPEATS=)" if opened else ""))
 
 
 def _latency_key(metric: str, percentile: int) -> str:

@@ -53,12 +53,6 @@ def lengths_text(lengths: dict[str, float]) -> str:
             f"{lengths.get('output_tokens_max', 0):.0f}")
 
 
-def capacity_range(capacity: Capacity) -> str:
-    """``14 [11-17]``: the capacity and its 90% interval (``?``: unbounded on that side),
-    ``>= 32 (censored)``, ``32? (undecided at the ceiling)``; a rate search's in req/s."""
-    return capacity.text()
-
-
 def point_text(concurrency: str | int, point: AttainmentPoint) -> str:
     """``12: 58/60 = 97% (4 runs, fitted 95%)``: a load's attainment over its full runs."""
     where = f"{point.rate:.3g}/s" if point.rate is not None else str(concurrency)

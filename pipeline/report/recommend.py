@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 from pipeline.bench.summary import speedup_of
-from pipeline.bench.table import capacity_range
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, OBJECTIVES, Row
 from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
@@ -131,7 +130,7 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
                    "requests planned")
     if best.cost and best.cost.at()[2] is not None and best.capacity:
         reason += (f", {cost.range_text(best.cost)} per million output tokens at "
-                   f"{capacity_range(best.capacity)} concurrent requests within the latency "
+                   f"{best.capacity.text()} concurrent requests within the latency "
                    f"objective (capacity measured; priced at {price_text(best.price)})")
     whose = ", the campaign's" if best.threshold_from == "campaign" else ""
     reason += f", recovery {_suites_text(best)} (threshold {best.threshold:g}%{whose})"

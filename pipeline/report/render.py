@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.summary import speedup_of
-from pipeline.bench.table import SPEED_METHOD, capacity_range, lengths_text
+from pipeline.bench.table import SPEED_METHOD, lengths_text
 from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison, Prediction, Row
 from pipeline.core.fsutil import atomic_dir
@@ -73,7 +73,7 @@ def _capacity_cell(row: Row, field: str = "capacity") -> str:
     cap = getattr(row, field)
     if row.serving != "ok" or cap is None:
         return "-"
-    cell = capacity_range(cap)
+    cell = cap.text()
     return cell + (" (other objective, not ranked)" if cap.other_objective else "")
 
 
