@@ -136,7 +136,7 @@ def test_a_model_the_planner_refuses_is_a_note_in_bench_not_its_end(tmp_path: Pa
     assert tracking.KV_CACHE_TOKENS_VS_PLANNED not in record.kv
     note = record.engine["plan_note"]
     assert note.startswith("not planned, so not checked against the engine: ")
-    assert "layer 1 of the model config is of type 'mamba'" in note
+    assert "`layer_types` lists 'mamba' layers" in note and "not plan them as attention" in note
     # the bench's table and the comparison's row say it
     from pipeline.bench.table import format_table
     from pipeline.bench.workloads import load as load_workload
@@ -146,6 +146,39 @@ def test_a_model_the_planner_refuses_is_a_note_in_bench_not_its_end(tmp_path: Pa
                        kv=record.kv, engine=record.engine)
     summary = BenchSummary(baseline="b", target="cuda", models={"fp8": entry})
     assert "fp8        plan: not planned" in format_table(summary, [load_workload("chat")])
+
+
+def test_a_plan_off_the_engine_by_more_than_ten_percent_is_flagged(tmp_path: Path) -> None:
+    """The engine holds 3x the requests the planner predicts for its budget (as an attention-only
+    plan of a hybrid would): the ratio is kept, flagged in the record, the table and MLflow's
+    figures, not only logged."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    budget = int(22.47 * 2**30)
+    engine = capacity.predict_vllm_kv_cache(LLAMA_8B, budget, block_size=16, kv_dtype="bf16",
+                                            max_model_len=2048)
+    tripled = engine.__class__(**{**engine.__dict__, "max_concurrency": 3 * engine.max_concurrency})
+    record = measure.ModelRecord(Variant("fp8", tmp_path, "id", "float-quantized"))
+    measure.record_engine(record, _FakeServer(_cache_config_info(tripled), A100_FP8_LOG),  # type: ignore[arg-type]
+                          EngineSettings(max_model_len=2048))
+    assert record.kv[tracking.MAX_CONCURRENCY_VS_PLANNED] == pytest.approx(3.0, rel=0.01)
+    assert record.kv[tracking.KV_PLAN_OFF] == 1.0
+    check = record.engine["plan_check"]
+    assert "max concurrency 3.00x the planned" in check and "[0.9, 1.1]" in check
+    assert "kv cache tokens" not in check  # that one agrees
+    from pipeline.bench.table import format_table
+    from pipeline.bench.workloads import load as load_workload
+    from pipeline.core.artifacts import BenchSummary, ModelBench
+
+    entry = ModelBench(recipe="fp8", status="ok", identity="id", format="float-quantized",
+                       kv=record.kv, engine=record.engine)
+    summary = BenchSummary(baseline="b", target="cuda", models={"fp8": entry})
+    assert "fp8        plan: the planner disagrees with the engine" in format_table(
+        summary, [load_workload("chat")])
+    # within the band: no flag
+    agreed = measure.ModelRecord(Variant("fp8", tmp_path, "id", "float-quantized"))
+    measure.record_engine(agreed, _FakeServer(_cache_config_info(engine), A100_FP8_LOG),  # type: ignore[arg-type]
+                          EngineSettings(max_model_len=2048))
+    assert agreed.kv[tracking.KV_PLAN_OFF] == 0.0 and "plan_check" not in agreed.engine
 
 
 def test_at_tp_2_each_workers_budget_holds_its_share_of_the_kv_heads(tmp_path: Path) -> None:

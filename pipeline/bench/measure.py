@@ -256,6 +256,9 @@ def record_engine(record: ModelRecord, server: VllmServer, settings: EngineSetti
         record.engine["plan_note"] = f"not planned, so not checked against the engine: {err}"
 
 
+PLAN_AGREES = (0.9, 1.1)  # engine / planned KV figures within this: the planner agrees
+
+
 def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings,
                engine_log: engine_metrics.EngineLog, config: dict[str, Any]) -> None:
     """The engine's KV cache and the planner's figure for the budget it used."""
@@ -287,13 +290,23 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
     planned = capacity.predict_vllm_kv_cache(
         config, budget * shards,
         block_size=info.block_size or (128 if server.target == "cpu" else 16),
-        kv_dtype=cache_dtype, max_model_len=settings.max_model_len)
-    record.kv.update({
-        capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
-        capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency,
+        kv_dtype=cache_dtype, max_model_len=settings.max_model_len,
+        prefix_caching=bool(settings.enable_prefix_caching))
+    ratios = {
         tracking.KV_CACHE_TOKENS_VS_PLANNED: info.kv_cache_tokens / planned.kv_cache_tokens,
         tracking.MAX_CONCURRENCY_VS_PLANNED: info.max_concurrency / planned.max_concurrency,
-    })
+    }
+    off = {name: r for name, r in ratios.items() if not PLAN_AGREES[0] <= r <= PLAN_AGREES[1]}
+    record.kv.update({capacity.KV_CACHE_TOKENS: planned.kv_cache_tokens,
+                      capacity.VLLM_MAX_CONCURRENCY: planned.max_concurrency, **ratios,
+                      tracking.KV_PLAN_OFF: float(bool(off))})
+    if off:
+        record.engine["plan_check"] = (
+            "the planner disagrees with the engine: " + ", ".join(
+                f"{name.replace('_vs_planned', '').replace('_', ' ')} {r:.2f}x the planned"
+                for name, r in off.items())
+            + f" (outside [{PLAN_AGREES[0]}, {PLAN_AGREES[1]}]); its memory plan and the "
+            "device counts from it are not to be trusted for this model")
 
 
 def _wna16_kernels(record: ModelRecord, engine_log: engine_metrics.EngineLog,

@@ -145,9 +145,9 @@ def format_table(summary: BenchSummary, loads: list[Workload]) -> str:
                      f"{'cache hits':>10s}")
         lines += [line for name, entry in summary.models.items() if workload.runs_on(name)
                   if (line := _line(name, entry, workload)) is not None]
-        lines += [f"  {name:10s} plan: {entry.engine.plan_note}"
-                  for name, entry in summary.models.items()
-                  if entry.engine.plan_note and workload.runs_on(name)]
+        lines += [f"  {name:10s} plan: {note}"
+                  for name, entry in summary.models.items() if workload.runs_on(name)
+                  for note in (entry.engine.plan_note, entry.engine.plan_check) if note]
         base = summary.models.get("baseline")
         lengths = base.workloads.get(workload.name) if base is not None else None
         if lengths is not None and lengths.lengths:

@@ -399,6 +399,7 @@ class EngineUse(BaseModel):
     kernels_by_layer: dict[str, str] = Field(default_factory=dict)  # W4A16 on a GPU
     kernels_by_layer_text: str = ""
     plan_note: str = ""  # the planner refused the model: why (the engine's figures still hold)
+    plan_check: str = ""  # the planner's KV figures off the engine's by more than 10%: which
 
 
 class WorkloadFigures(BaseModel):

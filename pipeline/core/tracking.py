@@ -269,6 +269,7 @@ KV_CACHE_TOKENS = "kv_cache_tokens"  # as the engine reports it
 MAX_CONCURRENCY = "max_concurrency"  # the engine's figure for max_model_len tokens per request
 KV_CACHE_TOKENS_VS_PLANNED = "kv_cache_tokens_vs_planned"  # reported / planner's prediction
 MAX_CONCURRENCY_VS_PLANNED = "max_concurrency_vs_planned"
+KV_PLAN_OFF = "kv_plan_off"  # 1: a ratio above outside [0.9, 1.1], the plan flagged
 PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"  # hit tokens / queried tokens during the run
 PREFIX_CACHE_EXPECTED_HIT_RATE = "prefix_cache_expected_hit_rate"  # what the shared prefix allows
 PREFIX_CACHE_TTFT_SPEEDUP = "prefix_cache_ttft_speedup"  # TTFT p50 caching off / on

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.plan import recurrent
+from pipeline.plan.recurrent import GDN, MAMBA1, Layer, StateLayer
 
 _NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
 
@@ -89,6 +91,7 @@ class Architecture:
     checkpoint_quantization: str | None = None  # quantization_config.quant_method, if any
     attention_heads: int = 0
     kv_heads: int = 0  # 0: latent attention (MLA), whose cache every tensor-parallel rank holds
+    state_layers: tuple[StateLayer, ...] = ()  # recurrent layers' per-request state (hybrids)
 
     def kv_shards(self, tensor_parallel: int, pipeline_parallel: int = 1) -> int:
         """Over how many devices one token's KV cache is split: KV heads over the tensor-parallel
@@ -113,6 +116,9 @@ class Architecture:
             parts.append(f"{counts['sliding']} sliding window {'/'.join(map(str, windows))}")
         if counts["mla"]:
             parts.append(f"{counts['mla']} latent attention (MLA)")
+        kinds = Counter(layer.kind for layer in self.state_layers)
+        names = {MAMBA1: "Mamba-1", "mamba2": "Mamba-2", GDN: "gated delta net"}
+        parts += [f"{n} {names[k]}" for k, n in kinds.items()]
         moe = f", {self.num_experts} experts" if self.num_experts else ""
         return f"{self.num_layers} layers ({', '.join(parts)}){moe}"
 
@@ -257,23 +263,32 @@ def _gated_mlp(name: str, inter: int, hidden: int, count: int, bias: bool) -> Mo
 
 
 def _feed_forward(cfg: Mapping[str, Any], layers: int, hidden: int, experts: int,
-                  model_type: str) -> list[ModuleKind]:
-    """Dense MLPs, routed experts, shared experts and routers of all layers."""
-    n_moe = sum(1 for i in range(layers) if experts and _is_moe_layer(cfg, i))
-    n_dense = layers - n_moe
+                  model_type: str, kinds: Sequence[str | None] | None = None
+                  ) -> list[ModuleKind]:
+    """Dense MLPs, routed experts, shared experts and routers of all layers (``kinds``: each
+    layer's, dense / moe / None, where a hybrid's layer list says)."""
+    if kinds is None:
+        kinds = ["moe" if experts and _is_moe_layer(cfg, i) else "dense" for i in range(layers)]
+    n_moe = sum(1 for k in kinds if k == "moe")
+    n_dense = sum(1 for k in kinds if k == "dense")
     mlp_bias = bool(cfg.get("mlp_bias"))
     modules = []
     if n_dense:
         inter = _positive_int(cfg, "intermediate_size", "ffn_dim", "n_inner",
                               needed_for="the MLP shapes")
-        modules.append(_gated_mlp("mlp", inter, hidden, n_dense, mlp_bias))
+        if model_type == "nemotron_h":  # up and down only (squared ReLU), no gate
+            modules.append(ModuleKind("mlp", (Matrix(inter, hidden, n_dense),
+                                              Matrix(hidden, inter, n_dense))))
+        else:
+            modules.append(_gated_mlp("mlp", inter, hidden, n_dense, mlp_bias))
     if n_moe:
         inter = _positive_int(cfg, "moe_intermediate_size", "intermediate_size",
                               needed_for="the expert shapes")
         expert_bias = mlp_bias or model_type == "gpt_oss"
         modules.append(_gated_mlp("experts", inter, hidden, experts * n_moe, expert_bias))
         shared_size = int(cfg.get("n_shared_experts") or 0) * inter or int(
-            cfg.get("shared_expert_intermediate_size") or 0)
+            cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
+            or 0)
         if shared_size:
             modules.append(_gated_mlp("shared_experts", shared_size, hidden, n_moe, False))
         router = [Matrix(experts, hidden, n_moe)]
@@ -282,6 +297,47 @@ def _feed_forward(cfg: Mapping[str, Any], layers: int, hidden: int, experts: int
         router_bias = experts * n_moe if model_type in ("gpt_oss", "deepseek_v3") else 0
         modules.append(ModuleKind("router", tuple(router), router_bias))
     return modules
+
+
+def _mixers(cfg: Mapping[str, Any], hidden: int, hybrid: Sequence[Layer]) -> ModuleKind:
+    """The recurrent mixers' weights (Hugging Face's modules): projections as matrices; conv
+    kernels, A, D, dt biases and gated norms as vectors."""
+    matrices: list[Matrix] = []
+    vectors = 0
+    states = [x.state for x in hybrid if x.state is not None]
+    if not states:
+        return ModuleKind("mixer")
+    n, kind = len(states), states[0].kind
+    if kind == MAMBA1:  # Jamba: in, x, dt and out projections; conv; A_log, D; three norms
+        inner = int(cfg["mamba_expand"]) * hidden
+        rank = int(cfg.get("mamba_dt_rank") or cdiv(hidden, 16))
+        state, conv = int(cfg["mamba_d_state"]), int(cfg["mamba_d_conv"])
+        matrices = [Matrix(2 * inner, hidden, n), Matrix(rank + 2 * state, inner, n),
+                    Matrix(inner, rank, n), Matrix(hidden, inner, n)]
+        vectors = n * (inner * conv + inner + inner + inner * state + inner + rank + 2 * state)
+    elif kind == GDN:  # Qwen3-Next: qkvz and ba projections, conv, dt_bias, A_log, norm, out
+        keys = int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
+        v_heads = int(cfg["linear_num_value_heads"])
+        values = v_heads * int(cfg["linear_value_head_dim"])
+        conv = int(cfg["linear_conv_kernel_dim"])
+        matrices = [Matrix(2 * keys + 2 * values, hidden, n), Matrix(2 * v_heads, hidden, n),
+                    Matrix(hidden, values, n)]
+        vectors = n * ((2 * keys + values) * conv + 2 * v_heads
+                       + int(cfg["linear_value_head_dim"]))
+    else:  # Mamba-2: in projection (z, x, B, C, dt), conv, dt_bias, A_log, D, gated norm, out
+        conv_dim = states[0].conv_elements // _conv_width(cfg)
+        state_dim = states[0].ssm_elements
+        heads = int(cfg.get("mamba_num_heads") or cfg.get("mamba_n_heads"))
+        inner = state_dim // int(cfg.get("ssm_state_size") or cfg.get("mamba_d_state"))
+        matrices = [Matrix(inner + conv_dim + heads, hidden, n), Matrix(hidden, inner, n)]
+        taps = _conv_width(cfg) + 1
+        vectors = n * (conv_dim * (taps + 1) + 3 * heads + inner)
+    return ModuleKind("mixer", tuple(matrices), vectors)
+
+
+def _conv_width(cfg: Mapping[str, Any]) -> int:
+    """A Mamba-2 conv's taps less one (the state keeps the last ``taps - 1`` inputs)."""
+    return int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv")) - 1
 
 
 def parse_architecture(config: Mapping[str, Any]) -> Architecture:
@@ -296,13 +352,26 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
                             "max_sequence_length", needed_for="the context check", default=None)
     experts = int(next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                         if cfg.get(k)), 0))
-    kv_layers, attention = _attention(cfg, layers, hidden, heads, model_type)
-    feed_forward = _feed_forward(cfg, layers, hidden, experts, model_type)
-    # input and post-attention norms per layer (Gemma 2/3: also around the MLP), a final norm
-    norms_per_layer = 4 if model_type.startswith(("gemma2", "gemma3")) else 2
+    hybrid = recurrent.layer_list(cfg, layers, hidden, model_type)
+    if hybrid is None:
+        kv_layers, attention = _attention(cfg, layers, hidden, heads, model_type)
+        feed_forward = _feed_forward(cfg, layers, hidden, experts, model_type)
+        mixers: list[ModuleKind] = []
+    else:  # only the layers that attend have a KV cache; the others, a state
+        plain = {k: v for k, v in cfg.items() if k not in ("layer_types", "sliding_window")}
+        kv_layers, attention = _attention(plain, sum(1 for x in hybrid if x.attention), hidden,
+                                          heads, model_type)
+        feed_forward = _feed_forward(cfg, layers, hidden, experts, model_type,
+                                     [x.ffn for x in hybrid])
+        mixers = [_mixers(cfg, hidden, hybrid)]
+    # input and post-attention norms per layer (Gemma 2/3: also around the MLP; Nemotron-H:
+    # one, each layer a single block), a final norm
+    norms_per_layer = 4 if model_type.startswith(("gemma2", "gemma3")) else (
+        1 if model_type == "nemotron_h" else 2)
     modules = [
         ModuleKind("embeddings", (Matrix(vocab, hidden),)),
         attention,
+        *mixers,
         *feed_forward,
         ModuleKind("norms", (), norms_per_layer * hidden * layers + hidden),
     ]
@@ -322,6 +391,7 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
         kv_heads=0 if cfg.get("kv_lora_rank") else int(
             cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or cfg.get("n_head_kv")
             or heads),
+        state_layers=tuple(x.state for x in hybrid or () if x.state is not None),
     )
 
 

@@ -24,7 +24,7 @@ from pipeline.plan.architecture import (
     parse_architecture,
     unknown_choice,
 )
-from pipeline.plan.vllm_kv import VllmKVPrediction, predict_vllm_kv_cache
+from pipeline.plan.vllm_kv import VllmKVPrediction, hybrid_block, predict_vllm_kv_cache
 
 __all__ = ["KV_DTYPE_BYTES", "Architecture", "KVLayer", "ModuleKind", "VllmKVPrediction",
            "parse_architecture", "predict_vllm_kv_cache"]
@@ -142,7 +142,7 @@ def quantized_module_kinds(arch: Architecture, scope: str) -> tuple[str, ...]:
             "num_local_experts / num_experts / n_routed_experts. Use --quantize linear."
         )
     wanted = ("experts", "shared_experts") if scope == "experts" else (
-        "attention", "mlp", "experts", "shared_experts")
+        "attention", "mixer", "mlp", "experts", "shared_experts")
     return tuple(name for name in arch.module_names if name in wanted)
 
 
@@ -179,9 +179,14 @@ def kv_bytes_per_request(arch: Architecture, context: int, kv_dtype: str, block_
     """KV one request holds at ``context`` tokens, each layer rounded up to whole blocks.
 
     With ``shared_prefix`` tokens, the prefix's full blocks in layers that keep the whole
-    context are left out (they are counted once, see :func:`shared_prefix_bytes`).
+    context are left out (they are counted once, see :func:`shared_prefix_bytes`). A hybrid's
+    recurrent layers add their state, one page each whatever the context, and its attention
+    blocks are the larger ones vLLM aligns to that page (:func:`hybrid_block`).
     """
     total = 0
+    if arch.state_layers:
+        block_size, page = hybrid_block(arch, kv_dtype, block_size)
+        total = len(arch.state_layers) * page
     for layer in arch.kv_layers:
         held = layer.tokens_held(context)
         blocks = cdiv(held, block_size)
@@ -195,6 +200,8 @@ def shared_prefix_bytes(arch: Architecture, context: int, prefix: int, kv_dtype:
                         block_size: int) -> int:
     """KV of a prefix shared by all requests, stored once: its full blocks in every layer that
     keeps the whole context (a window layer past its window holds only its own recent tokens)."""
+    if arch.state_layers:
+        block_size = hybrid_block(arch, kv_dtype, block_size)[0]
     shared_tokens = min(prefix, context) // block_size * block_size
     return sum(
         shared_tokens * layer.bytes_per_token(kv_dtype)
@@ -256,6 +263,8 @@ class PlanSettings:
     # vLLM's --tensor-parallel-size / --pipeline-parallel-size: memory_bytes is per device
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # vLLM's default; a hybrid's recurrent layers then keep 2-3 state pages a request
+    prefix_caching: bool = True
 
     @property
     def devices(self) -> int:
@@ -381,7 +390,8 @@ def plan_capacity(config: Mapping[str, Any] | Architecture, settings: PlanSettin
         paged_shared_prefix=max_requests(budget, unshared, shared),
         vllm=predict_vllm_kv_cache(arch, budget, block_size=s.block_size, kv_dtype=s.kv_dtype,
                                    max_model_len=s.max_context,
-                                   max_num_batched_tokens=s.max_num_batched_tokens),
+                                   max_num_batched_tokens=s.max_num_batched_tokens,
+                                   prefix_caching=s.prefix_caching),
         notes=tuple(notes),
     )
 

@@ -109,9 +109,19 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
 
     full = sum(1 for layer in arch.kv_layers if layer.window is None)
     windows = sorted({layer.window for layer in arch.kv_layers if layer.window})
-    lines += ["", f"KV cache ({s.kv_dtype}, blocks of {s.block_size} tokens)",
+    block = plan.vllm.block_size or s.block_size
+    raised = f", raised from {s.block_size} to hold a state page" if block != s.block_size else ""
+    lines += ["", f"KV cache ({s.kv_dtype}, blocks of {block} tokens{raised})",
               f"  per token, long context    {plan.kv_bytes_per_token:>12,} B "
               f"({plan.kv_bytes_per_token / 1024:,.1f} KiB)  {full} layers keep every token"]
+    if arch.state_layers:
+        state = max(x.bytes for x in arch.state_layers)
+        lines.append(
+            f"  recurrent state            {len(arch.state_layers)} layers x {_size(state)}, "
+            f"each page padded to {_size(plan.vllm.page_size_bytes)}: "
+            f"{_size(len(arch.state_layers) * plan.vllm.page_size_bytes)} a request, whatever "
+            "its length" + (" (with prefix caching vLLM keeps 2-3 pages a layer)"
+                            if s.prefix_caching else ""))
     if windows:
         lines.append(f"  per token, all layers      {plan.kv_bytes_per_token_all_layers:>12,} B "
                      f"({plan.kv_bytes_per_token_all_layers / 1024:,.1f} KiB)  until the "

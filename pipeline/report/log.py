@@ -33,7 +33,8 @@ def child_metrics(row: Row) -> dict[str, float]:
     m: dict[str, float] = {tracking.WEIGHT_BYTES: row.weight_bytes,
                            "weight_ratio": row.weight_ratio}
     for key in (tracking.KV_CACHE_TOKENS, tracking.MAX_CONCURRENCY,
-                tracking.KV_CACHE_MEMORY_BYTES):
+                tracking.KV_CACHE_MEMORY_BYTES, tracking.KV_CACHE_TOKENS_VS_PLANNED,
+                tracking.MAX_CONCURRENCY_VS_PLANNED, tracking.KV_PLAN_OFF):
         if key in row.kv:
             m[key] = row.kv[key]
     if row.engine.engine_weight_memory_bytes:

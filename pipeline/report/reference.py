@@ -159,6 +159,8 @@ def apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[str
     row.kv, row.engine = dict(entry.kv), entry.engine
     if row.engine.plan_note:
         row.notes.append(f"bench: {row.engine.plan_note}")
+    if row.engine.plan_check:
+        row.notes.append(f"bench: {row.engine.plan_check}")
     if row.engine.fp8_weight_only:
         row.notes.append(f"served as {row.engine.scheme}: its speed is not an FP8 W8A8 speed")
     if row.engine.kernels_by_layer_text:
