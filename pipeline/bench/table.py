@@ -108,9 +108,11 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
                     f"up to {ceiling}")
     wave = "" if workload.by_rate else "; each run's start-up wave not counted"
     lines = [f"\n{workload.name}: {searched_how}; then a grid of 5 loads over the bracket, "
-             f"up to {workload.repeats} runs each; the knee of a quasi-binomial logistic fit "
-             f"over them, [90% interval] by Fieller (? : unbounded), coverage measured by make "
-             f"calibrate; cold, distinct prompts{wave})"]
+             f"up to {workload.repeats} runs each, extended past an end the knee lies beyond "
+             "and finer where the share crosses; the knee of a quasi-binomial logistic fit "
+             "over the two loads it crosses between, [90% interval] by Fieller (? : open, "
+             "more runs close it), coverage measured by make calibrate; cold, distinct "
+             f"prompts{wave})"]
     for name, entry in summary.models.items():
         data = entry.workloads.get(workload.name)
         if entry.status != "ok" or data is None or data.capacity is None:
