@@ -187,7 +187,7 @@ recipes: $(PIPELINE_STAMP) ## list and validate the recipes
 
 # One process per recipe: peak memory is measured per variant, and llmcompressor's
 # session state starts fresh each time.
-quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=fp8|int4|int8|mxfp4 (default: every recipe)
+quantize: $(PIPELINE_STAMP) ## quantize the baseline: RECIPE=int4|awq|fp8|... (default: every recipe in recipes/)
 	@for recipe in $(or $(RECIPE),$(ALL_RECIPES)); do \
 	  $(QPIPE) quantize --baseline $(BASELINE) --recipe $$recipe $(if $(FORCE),--force) \
 	    $(call opt,--calib-samples,$(CALIB_SAMPLES)) $(call opt,--calib-seq-len,$(CALIB_SEQ_LEN)) \

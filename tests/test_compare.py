@@ -476,6 +476,7 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
     """The baseline's model directory is gone and the variant's holds only its manifest: the
     comparison still plans, sizes and thresholds every row from the stages' records."""
     from pipeline.core.artifacts import BaselineRecord, Manifest, RecipeInfo
+    from pipeline.core.formats import Identified
 
     config = json.loads((Path(__file__).parents[1] / "configs/models/smollm2-135m/config.json")
                         .read_text())
@@ -485,7 +486,8 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
     manifest = Manifest(cache_key="K", baseline={"identity": "B"}, format="float-quantized",
                         recipe=RecipeInfo(name="fp8kv", scheme="FP8", recovery_threshold_pct=97,
                                           search={"predicted_damage": 0.5, "how": "test"}),
-                        checkpoint_bytes=170_000_000, weight_bytes=163_000_000, kv_dtype="fp8")
+                        checkpoint_bytes=170_000_000, weight_bytes=163_000_000, kv_dtype="fp8",
+                        weights=Identified(key="fp8"))
     manifest.write(Manifest.path("Tiny", "fp8kv"))
     comparison = compare.collect(BaselineRecord.find("tiny").ref(), target=PlanTarget(
         gpu="h100-80gb"))

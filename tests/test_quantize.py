@@ -26,12 +26,16 @@ from .conftest import run_cli
 pytestmark = pytest.mark.slow
 
 EXPECTED = {  # recipe -> (compressed-tensors format, upper bound of quantized/bf16 layer bytes,
-    # the planner's weight precision, the KV cache the checkpoint asks vLLM for)
+    # the format table's row, the KV cache the checkpoint asks vLLM for)
     "fp8": ("float-quantized", 0.51, "fp8", None),
     "int4": ("pack-quantized", 0.28, "int4", None),
     "int8": ("int-quantized", 0.51, "int8", None),
     "int8-fp8kv": ("int-quantized", 0.51, "int8", "fp8"),
     "mxfp4": ("mxfp4-pack-quantized", 0.28, "mxfp4", None),
+    "awq": ("pack-quantized", 0.29, "int4", None),
+    "fp8-block": ("float-quantized", 0.51, "fp8-block", None),
+    "nvfp4": ("nvfp4-pack-quantized", 0.29, "nvfp4", None),
+    "nvfp4a16": ("nvfp4-pack-quantized", 0.29, "nvfp4a16", None),
 }
 
 
@@ -57,7 +61,7 @@ def test_every_recipe_quantizes_reloads_and_generates(
     base = baselines.resolve(str(tiny_model))
     manifest = quantize.quantize(base, _quick(name))
     out = paths.variant_dir(base.name, name)
-    fmt, bound, precision, kv_dtype = EXPECTED[name]
+    fmt, bound, key, kv_dtype = EXPECTED[name]
 
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == fmt
@@ -67,6 +71,8 @@ def test_every_recipe_quantizes_reloads_and_generates(
     assert manifest.recipe.recovery_threshold_pct == _quick(name).recovery_threshold_pct
     assert BaselineRecord.of(base.name).weight_bytes == manifest.baseline_weight_bytes
     assert manifest.format == fmt
+    # the format table's row, identified once from config.json, is what every stage reads
+    assert manifest.weights.key == key and manifest.weights.symmetric == (name != "awq")
     assert manifest.quantized_layers == 14  # 2 layers x 7 linears; lm_head stays bf16
     assert manifest.quantized_layer_bytes_ratio <= bound
     assert manifest.compression_ratio > 1
@@ -77,7 +83,8 @@ def test_every_recipe_quantizes_reloads_and_generates(
     # The capacity planner predicts these bytes from config.json alone (the goal: within 3%).
     arch = capacity.parse_architecture(config)
     planned = capacity.estimate_weights(
-        arch, precision, "linear", capacity.weight_formats(int4_group_size=64)).total_bytes
+        arch, manifest.precision, "linear", capacity.weight_formats(
+            manifest.weights.group_size, not manifest.weights.symmetric)).total_bytes
     assert abs(planned - manifest.weight_bytes) <= 0.03 * manifest.weight_bytes
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 from pipeline.bench.summary import speedup_of
 from pipeline.bench.workloads import Workload
-from pipeline.core import tracking
+from pipeline.core import formats, tracking
 from pipeline.core.artifacts import ESTIMATED, AttainmentPoint, BenchSummary, Capacity, ModelBench
 
 SPEED_METHOD = ("geometric mean of the per-repeat ratios [interval at the look that decided: "
                 "t on log ratios, sequential], n repeats; faster / slower when the interval "
                 "excludes 1 (a false 'faster' at most 5%: make calibrate), within +-5% when it "
                 "lies inside [0.95, 1.05]")
-# Which hardware serves a format that this machine's engine rejected.
-SERVED_ON = {
-    "mxfp4-pack-quantized": "NVIDIA Blackwell GPUs (native MXFP4); Hopper through vLLM's "
-                            "Marlin/emulation kernels",
-    "nvfp4-pack-quantized": "NVIDIA Blackwell GPUs (native NVFP4); Hopper/Ada through Marlin",
-    "float-quantized": "GPUs with FP8 support (Ada, Hopper, Blackwell)",
-}
+
+
+def served_on(compressed: str) -> str:
+    """Which hardware serves a compressed-tensors format this machine's engine rejected."""
+    rows = formats.by_compressed(compressed)
+    return "; ".join(dict.fromkeys(f.served_on for f in rows)) or "a GPU build of vLLM"
 
 
 def _line(name: str, entry: ModelBench, workload: Workload) -> str | None:
     if entry.status == "failed":
         return f"  {name:10s} FAILED: {entry.reason}\n  {'':10s} log: {entry.log or '-'}"
     if entry.status != "ok":
-        where = SERVED_ON.get(entry.format, "a GPU build of vLLM")
+        where = served_on(entry.format)
         return (f"  {name:10s} unsupported on this hardware ({entry.format}): {entry.reason}\n"
                 f"  {'':10s} served on: {where}")
     data = entry.workloads.get(workload.name)

@@ -22,8 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.core import paths
+from pipeline.core import formats, paths
 from pipeline.core.errors import ConfigError
+from pipeline.core.formats import Identified
 from pipeline.core.fsutil import write_json_atomic
 
 A = TypeVar("A", bound="Artifact")
@@ -113,15 +114,24 @@ class Manifest(Artifact):
     # the KV cache the checkpoint asks vLLM for (its kv_cache_scheme); None: a manifest written
     # before it was recorded (`make quantize` records it, reusing the checkpoint)
     kv_dtype: str | None = None
+    # its weight format, identified from its config.json (pipeline.core.formats); None: a
+    # manifest written before it was recorded (`make quantize` records it, as kv_dtype)
+    weights: Identified | None = None
 
     def recorded(self, baseline: str, name: str) -> Manifest:
         """This manifest, refused if it predates a field the report reads."""
-        if self.kv_dtype is None:
+        missing = [f for f in ("kv_dtype", "weights") if getattr(self, f) is None]
+        if missing:
             raise ConfigError(
                 f"{paths.variant_dir(baseline, name) / self.FILE}: written by an older qpipe "
-                f"(no kv_dtype). Fix: `make quantize RECIPE={name}` records it, reusing the "
-                "checkpoint.")
+                f"(no {' or '.join(missing)}). Fix: `make quantize RECIPE={name}` records it, "
+                "reusing the checkpoint.")
         return self
+
+    @property
+    def precision(self) -> str:
+        """The planner's weight precision of this variant (``mixed`` for a searched mix)."""
+        return self.weights.precision if self.weights else formats.MIXED
 
 
 @dataclass(frozen=True)
@@ -711,6 +721,9 @@ class Row(BaseModel):
     scheme: str
     format: str
     precision: str
+    group_size: int | None = None  # inputs per weight scale, as the checkpoint chose (None:
+    # per channel, per block, or fixed by the format)
+    symmetric: bool = True  # False: a zero point per group (AWQ)
     kv_dtype: str = "bf16"  # the KV cache the checkpoint asks for (its kv_cache_scheme)
     weight_bytes: int
     weight_ratio: float  # weight bytes / the baseline's

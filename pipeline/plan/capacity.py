@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.core import formats
 from pipeline.core.errors import PlanError
 from pipeline.plan.architecture import (
     KV_DTYPE_BYTES,
@@ -72,7 +73,7 @@ PLANNED_METRICS: tuple[str, ...] = (
 )
 
 
-WEIGHT_PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
+WEIGHT_PRECISIONS: tuple[str, ...] = formats.WEIGHT_PRECISIONS
 
 
 QUANTIZE_SCOPES: tuple[str, ...] = ("auto", "experts", "linear")
@@ -93,25 +94,37 @@ class WeightFormat:
     scale_bytes: int = 0
     zero_point_bits: int = 0  # per group, packed (asymmetric int4)
     tensor_scale_bytes: int = 0  # per matrix (nvfp4's global fp32 scale)
+    block: tuple[int, int] | None = None  # (rows, cols) sharing one scale (FP8 block-wise)
 
     def matrix_bytes(self, m: Matrix) -> int:
         values = cdiv(m.rows * m.cols * self.value_bits, 8)
-        groups = m.rows * (cdiv(m.cols, self.group_size) if self.group_size else 1)
+        if self.block:
+            groups = cdiv(m.rows, self.block[0]) * cdiv(m.cols, self.block[1])
+        else:
+            groups = m.rows * (cdiv(m.cols, self.group_size) if self.group_size else 1)
         scales = groups * self.scale_bytes + cdiv(groups * self.zero_point_bits, 8)
         return m.count * (values + scales + self.tensor_scale_bytes)
 
 
-def weight_formats(int4_group_size: int = 128,
+def weight_formats(int4_group_size: int | None = 128,
                    int4_asymmetric: bool = False) -> dict[str, WeightFormat]:
-    """The storage format of each weight precision (scales in bf16 unless the format says)."""
-    return {
-        "bf16": WeightFormat("bf16", 16),
-        "fp8": WeightFormat("fp8", 8, None, 2),  # E4M3 + a bf16 scale per output channel
-        "int8": WeightFormat("int8", 8, None, 2),  # + a bf16 scale per output channel
-        "int4": WeightFormat("int4", 4, int4_group_size, 2, 4 if int4_asymmetric else 0),
-        "mxfp4": WeightFormat("mxfp4", 4, 32, 1),  # E2M1 + an E8M0 scale per 32
-        "nvfp4": WeightFormat("nvfp4", 4, 16, 1, 0, 4),  # E2M1 + E4M3 per 16 + fp32 per tensor
-    }
+    """The storage of each weight precision, from the format table (scales in bf16 unless the
+    format says): ``int4_group_size`` / ``int4_asymmetric`` are what an int4 recipe chose
+    (None: one scale per output channel; asymmetric: a 4-bit zero point per group, AWQ)."""
+    out = {}
+    for fmt in formats.FORMATS.values():
+        if fmt.precision in out:
+            continue
+        if fmt.weight_bits >= 16:
+            out[fmt.precision] = WeightFormat(fmt.precision, fmt.weight_bits)
+        elif fmt.key == "int4":
+            out[fmt.precision] = WeightFormat(fmt.precision, 4, int4_group_size,
+                                              fmt.scale_bytes, 4 if int4_asymmetric else 0)
+        else:
+            out[fmt.precision] = WeightFormat(
+                fmt.precision, fmt.weight_bits, fmt.group_size, fmt.scale_bytes,
+                tensor_scale_bytes=fmt.tensor_scale_bytes, block=fmt.block)
+    return out
 
 
 @dataclass(frozen=True)
@@ -257,7 +270,7 @@ class PlanSettings:
     utilization: float = 0.9
     reserve_bytes: int = 2_000_000_000
     kv_budget_bytes: int | None = None  # given directly: memory, utilisation, reserve unused
-    int4_group_size: int = 128
+    int4_group_size: int | None = 128  # None: one scale per output channel
     int4_asymmetric: bool = False
     max_num_batched_tokens: int = 2048
     # vLLM's --tensor-parallel-size / --pipeline-parallel-size: memory_bytes is per device
@@ -316,7 +329,7 @@ class CapacityPlan:
 def _check_settings(s: PlanSettings) -> None:
     for name in ("context", "max_context", "block_size", "int4_group_size",
                  "max_num_batched_tokens"):
-        if getattr(s, name) <= 0:
+        if getattr(s, name) is not None and getattr(s, name) <= 0:
             raise PlanError(f"{name.replace('_', '-')} must be positive, not {getattr(s, name)}.")
     if s.context > s.max_context:
         raise PlanError(f"context {s.context:,} is longer than max-context {s.max_context:,}.")

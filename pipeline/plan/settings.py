@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from pipeline.core import formats
 from pipeline.core.errors import PlanError
 from pipeline.core.settings import StageSettings
 from pipeline.plan.capacity import KV_DTYPE_BYTES, PlanSettings
@@ -16,7 +17,7 @@ _D = PlanSettings()
 DEFAULT_RESERVE_GB = _D.reserve_bytes / 1e9  # activations, CUDA graphs, NCCL/cuBLAS workspaces
 EMBEDDED_MODEL = "smollm2-135m"  # configs/models/: the embedded baseline's config
 DEFAULT_PREFIX = 1024  # a system prompt plus tool definitions; at most half the context
-Precision = Literal["bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4"]
+Precision = Literal[formats.WEIGHT_PRECISIONS]  # the format table's weight precisions
 
 
 class PlanRequest(StageSettings):

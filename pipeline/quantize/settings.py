@@ -21,7 +21,7 @@ class CalibrationOverrides(BaseModel):
 
 class QuantizeSettings(StageSettings):
     baseline: str = baseline_field()
-    recipe: str = Field(..., description="recipe name in recipes/ (fp8, int4, int8, mxfp4) or a "
+    recipe: str = Field(..., description="recipe name in recipes/ (int4, awq, fp8, ...) or a "
                         "recipe file", json_schema_extra={"make": "RECIPE"})
     force: bool = force_field("quantize again")
     calibration: CalibrationOverrides = Field(default_factory=CalibrationOverrides,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import hardware, interrupts, paths, tracking
+from pipeline.core import formats, hardware, interrupts, paths, tracking
 from pipeline.core import log as qlog
 from pipeline.core.artifacts import Manifest, RecipeInfo
 from pipeline.core.errors import QuantizeError, RecipeError
@@ -74,7 +74,7 @@ def scheme_label(llm_recipe: Any) -> str:
             w, a = scheme.weights, scheme.input_activations
             label = f"W{w.num_bits}A{a.num_bits if a else 16}" if w else "A-only"
             if w and w.type == "float":
-                label = f"FP{label}"
+                label = f"FP{w.num_bits}-{label}"  # FP8-W8A8
             if w and w.group_size:
                 label += f"-G{w.group_size}"
             labels.append(label)
@@ -131,7 +131,7 @@ def _quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, target: Path
     manifest = Manifest.load(base.name, recipe.name)
     if is_current(manifest, key) and not force:
         assert manifest is not None
-        if manifest.kv_dtype is None:  # written before it was recorded: record it now
+        if manifest.kv_dtype is None or manifest.weights is None:  # older: record them now
             manifest = _recorded(manifest, recipe, target)
         log.info(f"{base.name}/{recipe.name} is up to date ({target}); nothing to do (FORCE=1 "
                  "redoes it).")
@@ -174,7 +174,7 @@ def _quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, target: Path
             quantized_layer_bytes=size.quantized_layer_bytes,
             quantized_layer_bf16_bytes=size.quantized_layer_bf16_bytes,
             quantized_layer_bytes_ratio=size.quantized_layer_ratio,
-            kv_dtype=_kv_dtype(tmp))
+            kv_dtype=_kv_dtype(tmp), weights=_weights(tmp))
         manifest.write(tmp / Manifest.FILE)
     log.info(f"wrote {target}: {size.format}, {size.weight_bytes / 1e6:.1f} MB of weights "
              f"({manifest.compression_ratio:.2f}x smaller than the baseline; quantized layers "
@@ -190,11 +190,18 @@ def _kv_dtype(model_dir: Path) -> str:
     return checkpoint_kv_dtype(config) or "bf16"
 
 
+def _weights(model_dir: Path) -> formats.Identified:
+    """The checkpoint's weight format, as vLLM will read it from its config.json."""
+    path = model_dir / "config.json"
+    return formats.identify(json.loads(path.read_text()), str(path))
+
+
 def _recorded(manifest: Manifest, recipe: recipes.RecipeFile, target: Path) -> Manifest:
     """A current manifest from an older qpipe, with what it did not record yet."""
     info = manifest.recipe.model_copy(update={
         "recovery_threshold_pct": recipe.recovery_threshold_pct, "search": recipe.search})
-    updated = manifest.model_copy(update={"recipe": info, "kv_dtype": _kv_dtype(target)})
+    updated = manifest.model_copy(update={"recipe": info, "kv_dtype": _kv_dtype(target),
+                                              "weights": _weights(target)})
     updated.write(target / Manifest.FILE)
     return updated
 
@@ -317,12 +324,30 @@ def _one_thread() -> Iterator[None]:
     import torch
 
     threads = torch.get_num_threads()
-    if hardware.torch_device() == "cpu":
+    cpu = hardware.torch_device() == "cpu"
+    if cpu:
         torch.set_num_threads(1)
+    with _no_pinning() if cpu else contextlib.nullcontext():
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _no_pinning() -> Iterator[None]:
+    """llmcompressor 0.14's AWQ pins its cached activations in page-locked memory for faster
+    copies to an accelerator, which raises "Cannot access accelerator device when none is
+    available" on a machine with none; with no accelerator there is nothing to copy to, so
+    the cache stays in ordinary memory (the same values)."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    pin = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        IntermediatesCache.pin_memory = pin
 
 
 @contextlib.contextmanager

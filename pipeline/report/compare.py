@@ -36,7 +36,6 @@ from pipeline.plan.accelerators import get_accelerator
 from pipeline.report import cost
 from pipeline.report.accuracy import apply_eval, apply_search, sensitivity_tables
 from pipeline.report.placement import (
-    PRECISION_OF_FORMAT,
     apply_plan,
     resolve_plan_target,
     served_as,
@@ -79,7 +78,9 @@ def _rows(base: BaselineLike, record: BaselineRecord, made: dict[str, Manifest]
     for name, manifest in made.items():
         rows.append(Row(name=name, recipe=name, scheme=manifest.recipe.scheme,
                         format=manifest.format,
-                        precision=PRECISION_OF_FORMAT.get(manifest.format, "bf16"),
+                        precision=manifest.precision,
+                        group_size=manifest.weights.group_size if manifest.weights else None,
+                        symmetric=manifest.weights.symmetric if manifest.weights else True,
                         kv_dtype=manifest.kv_dtype or "bf16",
                         weight_bytes=manifest.weight_bytes,
                         weight_ratio=manifest.weight_bytes / base_bytes,

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.core import formats
 from pipeline.core.artifacts import PlanFigures, PlanTarget, Row
 from pipeline.core.errors import PlanError
 from pipeline.core.hardware import Profile
@@ -16,14 +17,8 @@ from pipeline.plan.accelerators import detect as detect_accelerator
 from pipeline.plan.accelerators import get_accelerator
 from pipeline.serve.settings import EngineSettings
 
-MIXED = "mixed"  # a searched recipe: formats per layer (planned from its measured bytes)
+MIXED = formats.MIXED  # a searched recipe: formats per layer (planned from its measured bytes)
 DEFAULT_PLAN_GPU = "h100-80gb"  # where the planner places variants on a host without a GPU
-# compressed-tensors format -> the planner's weight precision
-PRECISION_OF_FORMAT = {
-    "dense": "bf16", "float-quantized": "fp8", "naive-quantized": "int8",
-    "int-quantized": "int8", "pack-quantized": "int4", "mxfp4-pack-quantized": "mxfp4",
-    "nvfp4-pack-quantized": "nvfp4", "mixed-precision": MIXED,
-}
 
 
 def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, str]:
@@ -58,9 +53,10 @@ def resolve_plan_target(target: PlanTarget, prof: Profile) -> tuple[PlanTarget, 
         f"planned for {DEFAULT_PLAN_GPU}: {gpu.name} has no preset and reports no memory")
 
 
-def plan_settings(target: PlanTarget, precision: str, group_size: int,
+def plan_settings(target: PlanTarget, precision: str, group_size: int | None,
                   kv_dtype: str = "bf16", engine: Mapping[str, Any] | None = None,
-                  block_size: int | None = None) -> capacity.PlanSettings:
+                  block_size: int | None = None, symmetric: bool = True
+                  ) -> capacity.PlanSettings:
     """The planner's settings for one variant on ``target``, with the memory utilisation and
     the tensor / pipeline parallelism its servers were started with (``engine``: a bench run's
     engine settings; none: vLLM's defaults, one device) and ``block_size``, the KV block the
@@ -74,7 +70,8 @@ def plan_settings(target: PlanTarget, precision: str, group_size: int,
     return capacity.PlanSettings(
         weights=precision, kv_dtype=kv_dtype, context=target.context,
         max_context=target.max_context, memory_bytes=memory, block_size=block_size or block,
-        int4_group_size=group_size, utilization=served.gpu_memory_utilization,
+        int4_group_size=group_size, int4_asymmetric=not symmetric,
+        utilization=served.gpu_memory_utilization,
         tensor_parallel=served.tensor_parallel_size,
         pipeline_parallel=served.pipeline_parallel_size)
 
@@ -92,14 +89,13 @@ def served_as(engine: Mapping[str, Any]) -> str:
 
 def apply_plan(row: Row, config: dict[str, Any], target: PlanTarget,
                 engine: Mapping[str, Any] | None = None, block_size: int | None = None) -> None:
-    _, _, tail = row.scheme.rpartition("-G")
-    group = int(tail) if tail.isdigit() else 128
     try:
         if row.precision == MIXED:
             plan, weights = _plan_mixed(row, config, target, engine, block_size)
         else:
             plan = capacity.plan_capacity(config, plan_settings(
-                target, row.precision, group, row.kv_dtype, engine, block_size))
+                target, row.precision, row.group_size, row.kv_dtype, engine, block_size,
+                row.symmetric))
             weights = plan.weight_bytes
     except PlanError as err:  # e.g. the weights do not fit the accelerator
         row.notes.append(f"plan: {err}")

@@ -15,23 +15,14 @@ from typing import Any
 
 import yaml
 
+from pipeline.core import formats
 from pipeline.core.errors import ConfigError
 from pipeline.search.solver import Choice
 
 KEEP = "bf16"  # the format that is no quantization: the unit's layers are ignored
-# The weight (and activation) arguments of each format, as the shipped recipes set them.
-FORMATS: dict[str, dict[str, Any]] = {
-    "int4": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                         "strategy": "group", "group_size": 64}},
-    "int8": {"weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                         "strategy": "channel"},
-             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                                   "strategy": "token", "dynamic": True}},
-    "fp8": {"weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                        "strategy": "channel"},
-            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
-                                  "strategy": "token", "dynamic": True}},
-}
+# The weight (and activation) arguments of each searchable format, from the format table.
+FORMATS: dict[str, dict[str, Any]] = {key: dict(fmt.search_args or {})
+                                      for key, fmt in formats.SEARCHABLE.items()}
 CALIBRATION = {"dataset": "calibration/python-reference.jsonl", "num_samples": 32,
                "max_seq_length": 256, "seed": 42}
 # How a searched checkpoint is quantized: the llmcompressor modifier of each method.

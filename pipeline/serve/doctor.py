@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pipeline.core import hardware, paths
+from pipeline.core import formats, hardware, paths
 from pipeline.core.fsutil import read_json
 from pipeline.core.settings import StageSettings
 from pipeline.serve.server import WORKERS_DIR, serve_python
@@ -37,19 +37,8 @@ class Support:
     source: str  # probe | measured here | vLLM 0.32 source
 
 
-# CPU rules: (format, recipes, the op its kernel needs or None, what to say without a probe)
-CPU_RULES: tuple[tuple[str, str, str | None, str, str], ...] = (
-    ("dense bf16", "baseline", None, SERVES, "torch / oneDNN GEMMs"),
-    ("pack-quantized (W4A16)", "int4", "cpu_gemm_wna16", SERVES, "CPUWNA16 kernel"),
-    ("int-quantized (INT8 W8A8)", "int8", "onednn_scaled_mm", SERVES, "oneDNN scaled mm"),
-    ("float-quantized (FP8 W8A8)", "fp8", None, SERVES,
-     "a torch scaled-mm path, the slowest of the served formats on CPUs"),
-    ("mxfp4-pack-quantized (MXFP4)", "mxfp4", None, UNSUPPORTED,
-     "no CPU kernel: \"Failed to find a kernel that can implement the MXFP4 linear layer\" "
-     "(vLLM's emulation kernel is CUDA-only)"),
-    ("nvfp4-pack-quantized (NVFP4)", "-", None, UNSUPPORTED,
-     "no CPU kernel (Marlin FP4 is CUDA-only)"),
-)
+def _name(fmt: formats.Format) -> str:
+    return f"{fmt.compressed[0]} ({fmt.label})" if fmt.key != "bf16" else "dense bf16"
 
 
 def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None,
@@ -59,20 +48,24 @@ def cpu_support(prof: hardware.Profile, probe: dict[str, Any] | None,
     ops = set(probe["ops"]) if probe else None
     library = probe["library"] if probe else prof.kernel_library
     out = []
-    for fmt, recipes, op, status, why in CPU_RULES:
+    for fmt in formats.FORMATS.values():
+        op, name = fmt.cpu_op, _name(fmt)
         if op is not None and ops is not None:
             has = op in ops
-            out.append(Support(fmt, recipes, SERVES if has else UNSUPPORTED,
-                               f"{library} {'has' if has else 'has no'} {op} ({why})"
+            out.append(Support(name, fmt.key, SERVES if has else UNSUPPORTED,
+                               f"{library} {'has' if has else 'has no'} {op} ({fmt.cpu_why})"
                                + ("" if has or library == "_C" else
                                   "; AVX-512 CPUs load _C or _C_AVX512, which have it"),
                                source))
+        elif fmt.cpu_needs:
+            has = any(flag in prof.flags_seen for flag in fmt.cpu_needs)
+            out.append(Support(name, fmt.key, SERVES if has else UNSUPPORTED,
+                               fmt.cpu_why + ("" if has else ": this CPU has none"), SOURCE))
         else:
-            out.append(Support(fmt, recipes, status, why, SOURCE))
+            out.append(Support(name, fmt.key, SERVES if fmt.cpu_serves else UNSUPPORTED,
+                               fmt.cpu_why, SOURCE))
     amx, avx512 = "amx_tile" in prof.flags_seen, "avx512f" in prof.flags_seen
-    out.append(Support("FP8 block-wise (FP8_BLOCK)", "-", SERVES if amx else UNSUPPORTED,
-                       "needs AMX" + ("" if amx else ": this CPU has none"), SOURCE))
-    out.append(Support("FP8 KV cache (--kv-cache-dtype fp8)", "-",
+    out.append(Support("FP8 KV cache (--kv-cache-dtype fp8)", "int8-fp8kv",
                        SERVES if (amx or avx512) else UNSUPPORTED,
                        "needs AVX-512 or AMX (cpu_attn.py)"
                        + ("" if (amx or avx512) else ": this CPU has neither"), SOURCE))
@@ -87,26 +80,18 @@ def cuda_support(prof: hardware.Profile) -> list[Support]:
                         "capability", SOURCE)]
     cc = float(cc_text)
 
-    def rule(fmt: str, recipes: str, ok: bool, why: str) -> Support:
-        return Support(fmt, recipes, SERVES if ok else UNSUPPORTED, why, SOURCE)
-
-    fp8 = (SERVES, "native FP8 W8A8 (capability >= 8.9)") if cc >= 8.9 else (
-        (PARTIAL, "served as W8A16Fp8 through Marlin: weights FP8, activations bf16 "
-                  "(no native FP8 below 8.9)") if cc >= 8.0 else
-        (UNSUPPORTED, "needs capability >= 8.0"))
-    return [
-        rule("dense bf16", "baseline", cc >= 8.0, "bf16 needs capability >= 8.0"),
-        rule("pack-quantized (W4A16)", "int4", cc >= 8.0,
-             "Machete on 9.0 only for layers with input features % 64 and output features "
-             "% 128 on each rank (group -1/64/128), Marlin for the rest and from 8.0 (group "
-             "-1/32/64/128): the embedded model's 576- and 960-wide layers run on Marlin"),
-        Support("float-quantized (FP8 W8A8)", "fp8", fp8[0], fp8[1], SOURCE),
-        rule("int-quantized (INT8 W8A8)", "int8", cc >= 7.5, "CUTLASS scaled mm"),
-        rule("mxfp4-pack-quantized (MXFP4)", "mxfp4", cc >= 8.0,
-             "native on Blackwell (10.x), Marlin MXFP4 from 8.0"),
-        rule("nvfp4-pack-quantized (NVFP4)", "-", cc >= 8.0,
-             "native on Blackwell (10.x), Marlin FP4 from 8.0"),
-    ]
+    out = []
+    for fmt in formats.FORMATS.values():
+        if cc >= fmt.cuda_native:
+            status = SERVES
+        elif fmt.cuda_degraded is not None and cc >= fmt.cuda_degraded:
+            status = PARTIAL
+        else:
+            status = UNSUPPORTED
+        why = fmt.cuda_why + ("" if status != UNSUPPORTED else
+                              f" (this GPU: capability {cc_text})")
+        out.append(Support(_name(fmt), fmt.key, status, why, SOURCE))
+    return out
 
 
 def probe_kernels(prof: hardware.Profile) -> dict[str, Any] | None:
