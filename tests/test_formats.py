@@ -54,10 +54,10 @@ def test_nvfp4_with_and_without_a4_are_two_rows_planned_with_the_same_bytes() ->
 
 
 def test_a_format_the_table_lacks_is_refused_naming_the_group_and_the_table() -> None:
-    w8a16 = _config("pack-quantized", {**W4, "num_bits": 8})  # int8 weight-only: no row yet
+    w3a16 = _config("pack-quantized", {**W4, "num_bits": 3})  # int3 weight-only: no row
     with pytest.raises(ConfigError, match=r"x/config.json: quantization_config.config_groups."
-                                          r"group_0.*8-bit.*pipeline/core/formats.py"):
-        formats.identify(w8a16, "x/config.json")
+                                          r"group_0.*3-bit.*pipeline/core/formats.py"):
+        formats.identify(w3a16, "x/config.json")
     with pytest.raises(ConfigError, match="no `weights`"):
         formats.identify(_config("naive-quantized", {}))
 

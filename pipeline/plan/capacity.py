@@ -117,8 +117,8 @@ def weight_formats(int4_group_size: int | None = 128,
             continue
         if fmt.weight_bits >= 16:
             out[fmt.precision] = WeightFormat(fmt.precision, fmt.weight_bits)
-        elif fmt.key == "int4":
-            out[fmt.precision] = WeightFormat(fmt.precision, 4, int4_group_size,
+        elif fmt.weight_type == "int" and fmt.weight_only:  # the recipe's group and zero points
+            out[fmt.precision] = WeightFormat(fmt.precision, fmt.weight_bits, int4_group_size,
                                               fmt.scale_bytes, 4 if int4_asymmetric else 0)
         else:
             out[fmt.precision] = WeightFormat(
