@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.artifacts import RecoverySummary, TaskEntry
+from pipeline.core.artifacts import Manifest, RecipeInfo, RecoverySummary, TaskEntry
 from pipeline.core.errors import ConfigError
 from pipeline.core.variant import variants_of
 from pipeline.eval import EvalSettings, GateSettings, gate, recovery, suites
@@ -124,11 +124,18 @@ def test_only_current_results_are_judged(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not verdict.ok and "make eval RECIPE=int4" in verdict.reason()
 
 
-def test_thresholds_come_from_the_recipe(tmp_path: Path) -> None:
-    assert gate.threshold_of("int4", tmp_path) == recipes.load("int4").recovery_threshold_pct
-    assert gate.threshold_of("int4", tmp_path, override=90) == 90
-    with pytest.raises(ConfigError, match="recovery_threshold_pct"):
-        gate.threshold_of("not-a-recipe", tmp_path)
+def test_the_threshold_is_the_one_the_variant_was_quantized_for() -> None:
+    def made(threshold: float | None) -> Manifest:
+        return Manifest(cache_key="K", baseline={"identity": "B"}, format="pack-quantized",
+                        checkpoint_bytes=1, weight_bytes=1, recipe=RecipeInfo(
+                            name="int4", recovery_threshold_pct=threshold))
+
+    # recipes/int4.yaml says otherwise: the manifest's copy decides, not the file edited since
+    assert recipes.load("int4").recovery_threshold_pct != 91.5
+    assert gate.threshold_of(made(91.5), "int4") == 91.5
+    assert gate.threshold_of(made(91.5), "int4", override=90) == 90
+    with pytest.raises(ConfigError, match=r"recovery_threshold_pct.*make quantize RECIPE=int4"):
+        gate.threshold_of(made(None), "int4")
 
 
 def test_gate_without_an_evaluation_says_what_to_run(workspace: Path) -> None:

@@ -28,24 +28,22 @@ meaningful when no suite is. ``make gate`` exits 0 only when every variant judge
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipeline.core import log as qlog
-from pipeline.core import paths
 from pipeline.core.artifacts import (
     EMULATED,
     SERVED,
+    Baseline,
     EvalFailure,
+    Manifest,
     RecoverySummary,
     SuiteFigure,
     TaskEntry,
     manifests,
 )
-from pipeline.core.errors import ConfigError, QpipeError, RecipeError
-from pipeline.core.variant import BaselineLike
+from pipeline.core.errors import ConfigError, QpipeError
 from pipeline.eval import recovery, suites
 from pipeline.eval.settings import LEVELS, GateSettings
-from pipeline.quantize import recipes
 
 log = qlog.get("gate")
 
@@ -97,21 +95,18 @@ class Verdict:
         return ""
 
 
-def threshold_of(recipe: str, variant_dir: Path, override: float | None = None) -> float:
-    """``--threshold``, else ``recipes/<recipe>.yaml``, else the recipe copy in the variant."""
+def threshold_of(manifest: Manifest, recipe: str, override: float | None = None) -> float:
+    """``--threshold``, else the threshold the variant was quantized for (its manifest's copy
+    of the recipe's ``recovery_threshold_pct``: a recipe edited since does not move it)."""
     if override is not None:
         return override
-    for source in (recipe, str(variant_dir / "qpipe_recipe.yaml")):
-        try:
-            value = recipes.load(source).recovery_threshold_pct
-        except RecipeError:
-            continue
-        if value is not None:
-            return value
+    if manifest.recipe.recovery_threshold_pct is not None:
+        return manifest.recipe.recovery_threshold_pct
     raise ConfigError(
-        f"recipe {recipe!r} has no qpipe.recovery_threshold_pct (looked in recipes/{recipe}.yaml "
-        f"and {variant_dir / 'qpipe_recipe.yaml'}). Fix: add `recovery_threshold_pct: 96` under "
-        "`qpipe:` in the recipe, or pass --threshold.")
+        f"variant {recipe!r} was quantized from a recipe with no qpipe.recovery_threshold_pct "
+        f"(its {Manifest.FILE} records none). Fix: add `recovery_threshold_pct: 96` under "
+        f"`qpipe:` in the recipe and `make quantize RECIPE={recipe}` (it re-uses the "
+        "checkpoint), or pass --threshold.")
 
 
 # --- what is current ----------------------------------------------------------------------------
@@ -258,11 +253,11 @@ def judge(entries: Entries, recipe: str, threshold: float,
                    out["inconclusive"], level, list(stale or []))
 
 
-def judge_variant(baseline: BaselineLike, recipe: str, threshold: float | None = None,
+def judge_variant(baseline: Baseline, recipe: str, threshold: float | None = None,
                   level: str = "suite") -> Verdict:
     """The verdict on one variant's current evaluation (a failed last evaluation fails)."""
-    limit = threshold_of(recipe, paths.variant_dir(baseline.name, recipe), threshold)
-    identity = manifests(baseline.name, [recipe])[recipe].cache_key
+    manifest = manifests(baseline.name, [recipe])[recipe]
+    limit, identity = threshold_of(manifest, recipe, threshold), manifest.cache_key
     failure = EvalFailure.load(baseline.name, recipe)
     if failure is not None and failure.identity == identity:
         return Verdict(recipe, limit, [], [f"its last evaluation failed: {failure.reason}"], [],
@@ -272,7 +267,7 @@ def judge_variant(baseline: BaselineLike, recipe: str, threshold: float | None =
     return judge(entries, recipe, limit, level, stale)
 
 
-def gate(baseline: BaselineLike, recipe_names: list[str] | None = None,
+def gate(baseline: Baseline, recipe_names: list[str] | None = None,
          threshold: float | None = None, level: str = "suite") -> list[Verdict]:
     """Judge every named variant (default: every variant with an evaluation)."""
     root = RecoverySummary.root(baseline.name)
