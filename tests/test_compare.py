@@ -489,7 +489,7 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
                         checkpoint_bytes=170_000_000, weight_bytes=163_000_000, kv_dtype="fp8",
                         weights=Identified(key="fp8"))
     manifest.write(Manifest.path("Tiny", "fp8kv"))
-    comparison = compare.collect(BaselineRecord.find("tiny").ref(), target=PlanTarget(
+    comparison = compare.collect(BaselineRecord.find("tiny").baseline(), target=PlanTarget(
         gpu="h100-80gb"))
     base, fp8 = comparison.rows
     assert base.weight_bytes == 269_000_000 and fp8.weight_ratio == pytest.approx(163 / 269)
@@ -512,7 +512,7 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
     # a manifest from before kv_dtype was recorded is refused with the way out
     manifest.model_copy(update={"kv_dtype": None}).write(Manifest.path("Tiny", "fp8kv"))
     with pytest.raises(ConfigError, match="make quantize RECIPE=fp8kv"):
-        compare.collect(record.ref())
+        compare.collect(record.baseline())
     with pytest.raises(ConfigError, match="no baseline 'other'"):
         BaselineRecord.find("other")
 

@@ -16,7 +16,7 @@ def run(settings: CompareSettings) -> Comparison:
     file = files.with_comparison(files.load(settings.campaign), settings.comparison)
     if settings.track:
         tracking.check_store()
-    base = BaselineRecord.find(settings.baseline).ref()
+    base = BaselineRecord.find(settings.baseline).baseline()
     comparison, _ = compare_and_log(base, list(settings.recipes) or None, file.plan, "compare",
                                     settings.track, objective=file.objective,
                                     cost_target=file.cost, threshold=file.threshold)

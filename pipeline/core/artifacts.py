@@ -9,7 +9,7 @@ Writes go to a temp file and are renamed into place.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -135,13 +135,18 @@ class Manifest(Artifact):
 
 
 @dataclass(frozen=True)
-class BaselineRef:
-    """A baseline as a record names it (what :class:`~pipeline.core.variant.BaselineLike`
-    asks for)."""
+class Baseline:
+    """The baseline model every stage works from: a directory transformers and vLLM load
+    (resolved by ``make baseline``, pipeline/quantize/baseline.py; its record on disk is
+    :class:`BaselineRecord`)."""
 
-    name: str
-    path: Path
-    identity: str
+    name: str  # short name used in directory and experiment names
+    path: Path  # a local HF model directory (config.json + weights + tokenizer)
+    source: str  # what the user asked for: an alias, a directory or a hub id
+    identity: str  # sha256 over config.json and the weight files' contents
+
+    def as_dict(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
 
 
 class BaselineRecord(Artifact):
@@ -158,8 +163,10 @@ class BaselineRecord(Artifact):
     weight_bytes: int
     config: dict[str, Any]  # the model's config.json: the capacity planner's input
 
-    def ref(self) -> BaselineRef:
-        return BaselineRef(self.name, Path(self.directory), self.identity)
+    def baseline(self) -> Baseline:
+        """The baseline this record was written for (its first spec as its source)."""
+        return Baseline(self.name, Path(self.directory), (self.specs or [self.name])[0],
+                        self.identity)
 
     @classmethod
     def path_of(cls, baseline: str) -> Path:

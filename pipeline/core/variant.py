@@ -7,19 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from pipeline.core import paths
-from pipeline.core.artifacts import manifests
+from pipeline.core.artifacts import Baseline, manifests
 
 BASELINE = "baseline"  # the baseline's name wherever a variant's would be
 NO_RECIPE = "none"  # the baseline's recipe as MLflow params record it
-
-
-class BaselineLike(Protocol):
-    name: str
-    path: Path
-    identity: str
 
 
 @dataclass(frozen=True)
@@ -44,17 +37,17 @@ class Variant:
         return self.name
 
 
-def baseline_variant(base: BaselineLike) -> Variant:
+def baseline_variant(base: Baseline) -> Variant:
     return Variant(BASELINE, base.path, base.identity)
 
 
-def variants_of(base: BaselineLike, recipes: list[str] | None = None) -> list[Variant]:
+def variants_of(base: Baseline, recipes: list[str] | None = None) -> list[Variant]:
     """The variants on disk (or the named ones; a missing one is a clear error)."""
     return [Variant(name, paths.variant_dir(base.name, name), m.cache_key, m.format,
                     m.recipe.scheme)
             for name, m in manifests(base.name, recipes).items()]
 
 
-def with_baseline(base: BaselineLike, recipes: list[str] | None = None) -> list[Variant]:
+def with_baseline(base: Baseline, recipes: list[str] | None = None) -> list[Variant]:
     """The baseline first, then the variants."""
     return [baseline_variant(base), *variants_of(base, recipes)]

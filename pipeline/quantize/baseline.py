@@ -13,12 +13,11 @@ import hashlib
 import importlib.util
 import json
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.core import log as qlog
 from pipeline.core import paths
-from pipeline.core.artifacts import BaselineRecord
+from pipeline.core.artifacts import Baseline, BaselineRecord
 from pipeline.core.errors import BaselineError
 from pipeline.core.fsutil import (
     atomic_dir,
@@ -38,19 +37,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 log = qlog.get("baseline")
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """A baseline model directory that transformers and vLLM can load."""
-
-    name: str  # short name used in directory and experiment names
-    path: Path  # a local HF model directory (config.json + weights + tokenizer)
-    source: str  # what the user asked for: an alias, a directory or a hub id
-    identity: str  # sha256 over config.json and the weight files' contents
-
-    def as_dict(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
 
 
 def resolve(spec: str) -> Baseline:

@@ -9,17 +9,17 @@ from typing import Any
 from pipeline.core.artifacts import (
     EMULATED,
     SERVED,
+    Baseline,
     Prediction,
     RecoverySummary,
     Row,
     SensitivityTable,
 )
 from pipeline.core.errors import ConfigError
-from pipeline.core.variant import BaselineLike
 from pipeline.eval import gate
 
 
-def apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity: str,
+def apply_eval(row: Row, summary: RecoverySummary, base: Baseline, identity: str,
                own: float | None, threshold: float | None = None) -> None:
     """The variant's current task results (this checkpoint, baseline and task files), its
     suite figures and the gate's verdict on them at ``threshold`` (else ``own``, its recipe's
@@ -50,7 +50,7 @@ def apply_eval(row: Row, summary: RecoverySummary, base: BaselineLike, identity:
                          + f" (make eval RECIPE={row.name})")
 
 
-def sensitivity_tables(base: BaselineLike) -> list[SensitivityTable]:
+def sensitivity_tables(base: Baseline) -> list[SensitivityTable]:
     """This baseline's sensitivity tables, newest first."""
     found = []
     for path in SensitivityTable.root(base.name).glob(f"*/{SensitivityTable.FILE}"):

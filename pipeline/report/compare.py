@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pipeline.core import hardware
 from pipeline.core.artifacts import (
+    Baseline,
     BaselineRecord,
     BenchSummary,
     Comparison,
@@ -31,7 +32,7 @@ from pipeline.core.artifacts import (
     manifests,
 )
 from pipeline.core.errors import ConfigError
-from pipeline.core.variant import BASELINE, BaselineLike
+from pipeline.core.variant import BASELINE
 from pipeline.plan.accelerators import get_accelerator
 from pipeline.report import cost
 from pipeline.report.accuracy import apply_eval, apply_search, sensitivity_tables
@@ -57,7 +58,7 @@ from pipeline.report.reference import (
 )
 
 
-def baseline_record(base: BaselineLike) -> BaselineRecord:
+def baseline_record(base: Baseline) -> BaselineRecord:
     """The baseline's record, as its stages resolved it."""
     record = BaselineRecord.of(base.name)
     if record is None or record.identity != base.identity:
@@ -69,7 +70,7 @@ def baseline_record(base: BaselineLike) -> BaselineRecord:
     return record
 
 
-def _rows(base: BaselineLike, record: BaselineRecord, made: dict[str, Manifest]
+def _rows(base: Baseline, record: BaselineRecord, made: dict[str, Manifest]
           ) -> tuple[list[Row], dict[str, str]]:
     base_bytes = record.weight_bytes
     rows = [Row(name=BASELINE, recipe="none", scheme="bf16", format="dense", precision="bf16",
@@ -89,7 +90,7 @@ def _rows(base: BaselineLike, record: BaselineRecord, made: dict[str, Manifest]
     return rows, identities
 
 
-def collect(base: BaselineLike, recipes: list[str] | None = None,
+def collect(base: Baseline, recipes: list[str] | None = None,
             target: PlanTarget | None = None,
             failures: list[Failure] | None = None, objective: str = "speed",
             cost_target: CostTarget | None = None, per_variant: bool = False,

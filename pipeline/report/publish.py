@@ -6,16 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import Comparison, CostTarget, Failure, PlanTarget
+from pipeline.core.artifacts import Baseline, Comparison, CostTarget, Failure, PlanTarget
 from pipeline.core.paths import default_tracking_uri
-from pipeline.core.variant import BaselineLike
 from pipeline.report import compare, render
 from pipeline.report.log import log_comparison, run_meta
 
 log = qlog.get("compare")
 
 
-def compare_and_log(base: BaselineLike, recipes: list[str] | None, target: PlanTarget,
+def compare_and_log(base: Baseline, recipes: list[str] | None, target: PlanTarget,
                     campaign: str = "compare", track: bool = True,
                     failures: list[Failure] | None = None, objective: str = "speed",
                     cost_target: CostTarget | None = None, per_variant: bool = False,
