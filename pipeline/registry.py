@@ -2,7 +2,8 @@
 
 An entry names its sub-command (``qpipe <name>``) and Makefile target, its settings type (the
 one source of its options, Makefile variables and defaults), its entry function (``run(settings)
--> artifact``; an int is an exit code), the artifact it writes, and its step in ``make all``.
+-> artifact``; an int is an exit code), and the artifact it writes. The order ``make all``
+runs them in is the campaign runner's (pipeline/campaign/runner.py), one for both executors.
 Types are named as ``"module:Name"`` and imported only when a command runs, so ``qpipe --help``
 stays instant. The CLI is built from this table; the tests check that each entry has a Makefile
 target whose variables default to its settings' defaults. Adding a stage: one entry here and its
@@ -32,7 +33,6 @@ class Stage:
     help: str
     artifact: str = ""  # "module:Class" of what it writes ("": nothing but output)
     target: str = ""  # its Makefile target when not ``name``
-    step: int = 0  # its order in make all (0: not a step of it)
 
     @property
     def make_target(self) -> str:
@@ -54,7 +54,7 @@ STAGES: tuple[Stage, ...] = (
           "list the recipes and validate them"),
     Stage("quantize", "pipeline.quantize.settings:QuantizeSettings", "pipeline.quantize.stage:run",
           "quantize the baseline with a recipe (llmcompressor)",
-          "pipeline.core.artifacts:Manifest", step=1),
+          "pipeline.core.artifacts:Manifest"),
     Stage("sensitivity", "pipeline.search.settings:SensitivitySettings",
           "pipeline.search.stage:run_sensitivity",
           "the damage of quantizing each unit of the baseline alone, per format",
@@ -63,10 +63,10 @@ STAGES: tuple[Stage, ...] = (
           "choose a format per unit under a budget; write recipes/<name>.yaml"),
     Stage("bench", "pipeline.bench.settings:BenchSettings", "pipeline.bench.stage:run",
           "serve variants through vLLM and load-test them",
-          "pipeline.core.artifacts:BenchSummary", step=2),
+          "pipeline.core.artifacts:BenchSummary"),
     Stage("eval", "pipeline.eval.settings:EvalSettings", "pipeline.eval.stage:run",
           "score the baseline and variants with lm-eval; percent recovery",
-          "pipeline.core.artifacts:RecoverySummary", step=3),
+          "pipeline.core.artifacts:RecoverySummary"),
     Stage("gate", "pipeline.eval.settings:GateSettings", "pipeline.eval.gate:run",
           "exit 1 unless each variant's recovery is shown to clear its threshold"),
     Stage("suites", "pipeline.eval.validate:SuitesSettings", "pipeline.eval.validate:run",
@@ -77,7 +77,7 @@ STAGES: tuple[Stage, ...] = (
           "pipeline.core.artifacts:Comparison", target="all"),
     Stage("compare", "pipeline.report.settings:CompareSettings", "pipeline.campaign.compare:run",
           "join the measured stages into one comparison, report and MLflow parent run",
-          "pipeline.core.artifacts:Comparison", step=4),
+          "pipeline.core.artifacts:Comparison"),
     Stage("calibrate", "pipeline.calibrate.stage:CalibrateSettings",
           "pipeline.calibrate.stage:run",
           "how often each verdict is wrong: simulated against a known truth"),
@@ -92,7 +92,3 @@ STAGES: tuple[Stage, ...] = (
 
 BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
 
-
-def campaign_steps() -> list[Stage]:
-    """The stages ``make all`` runs, in order."""
-    return sorted((s for s in STAGES if s.step), key=lambda s: s.step)

@@ -42,9 +42,8 @@ def test_every_stage_has_a_command_a_target_and_its_types(
     assert done.value.code == 0 and f"usage: qpipe {stage.name}" in capsys.readouterr().out
 
 
-def test_make_all_runs_the_stages_of_the_data_flow_in_order() -> None:
-    assert [s.name for s in registry.campaign_steps()] == ["quantize", "bench", "eval", "compare"]
-    assert len(registry.BY_NAME) == len(registry.STAGES)  # one entry per name
+def test_every_stage_has_one_entry() -> None:
+    assert len(registry.BY_NAME) == len(registry.STAGES)
 
 
 def _bound_fields(model: type[BaseModel]) -> typing.Iterator[tuple[str, str, Any]]:

@@ -206,14 +206,6 @@ def suite_items_needed(tasks: Sequence[tuple[int, float]], threshold_pct: float,
     return high
 
 
-def real_loss(lost: int, gained: int, alpha: float = ALPHA_SIDE) -> bool:
-    """Whether the variant's losses outnumber its gains beyond chance: McNemar's exact test
-    (one-sided; under no net change each flipped item is a loss with probability 1/2)."""
-    if lost <= gained:
-        return False
-    return float(stats.binomtest(lost, lost + gained, 0.5, alternative="greater").pvalue) <= alpha
-
-
 def above_chance_pct(baseline_score: float, variant_score: float, chance: float) -> float | None:
     """The share of the baseline's skill above chance that the variant keeps, in percent."""
     if chance <= 0 or baseline_score <= chance:

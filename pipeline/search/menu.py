@@ -36,10 +36,9 @@ CPU_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
 # served, but so slowly that a search for the least damage would trade the model's speed for a
 # little accuracy unawares: left out of the default menu (FORMATS= adds it), by target kind
 SLOW = {
-    "cpu": {"fp8": "vLLM CPU runs FP8 W8A8 through a torch scaled-mm path, the slowest format "
-                   "there (uniform fp8 served at 0.09x the baseline's throughput and a searched "
-                   "mix with fp8 units at 0.28x, on this project's 2-core CPU); FORMATS=\"int4 "
-                   "int8 fp8\" adds it"},
+    "cpu": {"fp8": "vLLM CPU runs FP8 W8A8 through a torch scaled-mm path, several times "
+                   "slower than the baseline it replaces (the measured "
+                   "figures in docs/precision-search.md); FORMATS=\"int4 int8 fp8\" adds it"},
 }
 # formats the shipped recipes use that a searched recipe cannot hold yet, and why
 NOT_IN_MENU = {
