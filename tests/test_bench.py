@@ -220,7 +220,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     for name in ("baseline",) if avx2 else ("baseline", "int4"):
         entry = summary.models[name]
         assert entry.status == "ok", entry.reason
-        stats = entry.workloads["tiny"].points[2]
+        stats = entry.workloads["tiny"].points[2].metrics
         for metric in (tracking.OUTPUT_TOKENS_PER_S, tracking.REQUESTS_PER_S,
                        tracking.TTFT_MS_P50, tracking.TTFT_MS_P99, tracking.ITL_MS_P50,
                        tracking.ITL_MS_P99, tracking.E2E_MS_P50):
@@ -299,19 +299,20 @@ def test_bench_measures_baseline_and_variant_through_vllm(
         return  # no int4 speed to compare
     # the speedup is the geometric mean of the per-repeat ratios, with the interval of the
     # speed verdict, recomputed here from vLLM's own result files, one per run
-    int4 = summary.models["int4"].workloads["tiny"].points[2]
+    int4 = summary.models["int4"].workloads["tiny"].points[2].speedup
+    assert int4 is not None
     run_files = next((workspace / "artifacts" / "bench" / base.name).glob("*/runs"))
-    n = int(int4[tracking.SPEEDUP_N])
+    n = int4.n
     ratios = [
         json.loads((run_files / f"int4-tiny-c2-r{r}.json").read_text())["output_throughput"]
         / json.loads((run_files / f"baseline-tiny-c2-r{r}.json").read_text())[
             "output_throughput"] for r in range(n)]
     found = speedup(ratios, loads[0].looks("cpu"))
-    assert n == 2 and int4[tracking.SPEEDUP] == pytest.approx(found.point)
-    assert int4[tracking.SPEEDUP_CI_LOW] == pytest.approx(found.low)
-    assert int4[tracking.SPEEDUP_CI_HIGH] == pytest.approx(found.high)
-    assert min(ratios) <= int4[tracking.SPEEDUP] <= max(ratios)
-    assert "speedup" not in summary.models["baseline"].workloads["tiny"].points[2]
+    assert n == 2 and int4.point == pytest.approx(found.point)
+    assert int4.low == pytest.approx(found.low) and int4.high == pytest.approx(found.high)
+    assert int4.verdict == found.verdict
+    assert min(ratios) <= int4.point <= max(ratios)
+    assert summary.models["baseline"].workloads["tiny"].points[2].speedup is None
     table = format_table(summary, loads)
     assert "tiny (concurrency 2" in table and "prefix caching off" in table
     assert ">= 4 concurrent requests" in table
@@ -361,9 +362,10 @@ def test_bench_measures_baseline_and_variant_through_vllm(
 
     rows = {r.name: r for r in compare.collect(base, ["int4"]).rows}
     assert rows["int4"].serving == "ok" and rows["int4"].comparable
-    assert rows["int4"].speedup == pytest.approx(int4[tracking.SPEEDUP])
-    assert rows["baseline"].headline[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(
-        summary.models["baseline"].workloads["tiny"].points[2][tracking.OUTPUT_TOKENS_PER_S])
+    assert rows["int4"].speedup == pytest.approx(int4.point)
+    assert rows["baseline"].headline.metrics[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(
+        summary.models["baseline"].workloads["tiny"].points[2].metrics[
+            tracking.OUTPUT_TOKENS_PER_S])
     assert rows["int4"].kv[tracking.KV_CACHE_TOKENS] == summary.models["int4"].kv[
         tracking.KV_CACHE_TOKENS]
     assert rows["baseline"].prefix[tracking.PREFIX_CACHE_HIT_RATE] > 0.2
@@ -412,7 +414,7 @@ def test_avx2_cpu_serves_no_int4_says_why_and_scores_it_emulated(
         assert "_C_AVX2" in int4.reason and int4.log.endswith(".log")
         assert known_refusal(int4.identity) == int4.reason  # remembered, for this key
         assert summary.models["baseline"].status == "ok"
-        assert summary.models["baseline"].workloads["tiny"].points[2][
+        assert summary.models["baseline"].workloads["tiny"].points[2].metrics[
             tracking.OUTPUT_TOKENS_PER_S] > 0
         assert "unsupported on this hardware (pack-quantized)" in format_table(summary, loads)
         # no native bf16 here: the baseline was served in bf16 and float32 side by side, and
@@ -476,4 +478,4 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_as_planned_or_is_unsupported(
     ratio = entry.kv[tracking.KV_CACHE_TOKENS] / baseline.kv[tracking.KV_CACHE_TOKENS]
     assert 1.9 <= ratio <= 2.1, ratio
     assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01
-    assert entry.workloads["tiny"].points[2][tracking.OUTPUT_TOKENS_PER_S] > 0
+    assert entry.workloads["tiny"].points[2].metrics[tracking.OUTPUT_TOKENS_PER_S] > 0

@@ -19,6 +19,7 @@ from pipeline.core.artifacts import (
     ModelBench,
     PlanFigures,
     PlanTarget,
+    PointFigures,
     Prediction,
     Price,
     Row,
@@ -28,6 +29,7 @@ from pipeline.core.artifacts import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import from_options
+from pipeline.core.speedup import Speedup, verdict_of
 from pipeline.eval import gate
 from pipeline.plan import capacity
 from pipeline.report import compare, cost, placement, plots, reference
@@ -42,6 +44,10 @@ def planned(paged: int, worst: int = 0) -> PlanFigures:
                           "planned_max_concurrency_worst_case": worst})
 
 
+def _speedup(point: float, low: float, high: float, p_faster: float) -> Speedup:
+    return Speedup(point, low, high, 4, 0.95, verdict_of(low, high), p_faster)
+
+
 def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
          serving: str = "ok", backend: str = "served", recovery: float = 100.5) -> Row:
     row = Row(name=name, recipe=name, scheme="S", format="float-quantized", precision="fp8",
@@ -49,15 +55,15 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
               eval_backend=backend, threshold=99.0, gate_status=status,
               gate_reason="" if status == gate.PASS else f"suite app: {name} too wide")
     if speedup is not None:
-        row.headline = {tracking.SPEEDUP: speedup, tracking.SPEEDUP_CI_LOW: speedup - 0.1,
-                        tracking.SPEEDUP_CI_HIGH: speedup + 0.1, tracking.SPEEDUP_N: 4,
-                        tracking.SPEEDUP_P_FASTER: 0.001 if speedup > 1.1 else 0.5,
-                        tracking.OUTPUT_TOKENS_PER_S: 20 * speedup,
-                        f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19 * speedup,
-                        f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21 * speedup,
-                        tracking.TTFT_MS_P50: 100.0, tracking.TTFT_MS_P99: 150.0,
-                        tracking.ITL_MS_P50: 10.0, tracking.ITL_MS_P99: 12.0}
-        row.sweep = {1: dict(row.headline), 4: dict(row.headline)}
+        row.headline = PointFigures(
+            metrics={tracking.OUTPUT_TOKENS_PER_S: 20 * speedup,
+                     f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19 * speedup,
+                     f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21 * speedup,
+                     tracking.TTFT_MS_P50: 100.0, tracking.TTFT_MS_P99: 150.0,
+                     tracking.ITL_MS_P50: 10.0, tracking.ITL_MS_P99: 12.0},
+            speedup=_speedup(speedup, speedup - 0.1, speedup + 0.1,
+                             0.001 if speedup > 1.1 else 0.5))
+        row.sweep = {1: row.headline.model_copy(), 4: row.headline.model_copy()}
     row.suites = {"app": SuiteFigure(recovery_pct=recovery, ci_low=low, ci_high=recovery + 1.5,
                                      tasks=["app_facts"], backend=backend)}
     row.tasks = {"app_facts": TaskEntry(suite="app", backend=backend, primary_metric="acc,none",
@@ -71,9 +77,10 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
 def _baseline() -> Row:
     row = Row(name="baseline", recipe="none", scheme="bf16", format="dense", precision="bf16",
               weight_bytes=269_000_000, weight_ratio=1.0)
-    row.headline = {tracking.OUTPUT_TOKENS_PER_S: 20.0, f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19.0,
-                    f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21.0}
-    row.sweep = {1: dict(row.headline)}
+    row.headline = PointFigures(metrics={tracking.OUTPUT_TOKENS_PER_S: 20.0,
+                                         f"{tracking.OUTPUT_TOKENS_PER_S}_min": 19.0,
+                                         f"{tracking.OUTPUT_TOKENS_PER_S}_max": 21.0})
+    row.sweep = {1: row.headline.model_copy()}
     return row
 
 
@@ -95,8 +102,7 @@ def test_the_fastest_variant_that_clears_its_gate_is_recommended() -> None:
 
 def test_a_slower_variant_or_one_not_shown_faster_is_never_shipped_for_speed() -> None:
     slower = _row("int8", 0.5, gate.PASS)
-    slower.headline[tracking.SPEEDUP_CI_LOW], slower.headline[tracking.SPEEDUP_CI_HIGH] = \
-        0.3, 0.8
+    slower.headline.speedup = _speedup(0.5, 0.3, 0.8, 0.5)
     straddles = _row("fp8", 1.05, gate.PASS)  # [0.95, 1.15]
     best, reason = recommend([_baseline(), slower, straddles])
     assert best is None
@@ -117,7 +123,7 @@ def test_holms_family_is_the_variants_that_pass_their_gates() -> None:
     for name, status in (("int8", gate.PASS), ("fp8", gate.PASS), ("int4", gate.FAIL),
                          ("w8a16", gate.INCONCLUSIVE)):
         row = _row(name, 1.3, status)
-        row.headline[tracking.SPEEDUP_P_FASTER] = 0.02
+        row.headline.speedup = _speedup(1.3, 1.2, 1.4, 0.02)
         rows.append(row)
     assert set(compared(rows)) == {"int8", "fp8"}
     best, _ = recommend(rows)

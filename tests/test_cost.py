@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core import hardware, tracking
-from pipeline.core.artifacts import CostTarget, Price, Row
+from pipeline.core.artifacts import CostTarget, PointFigures, Price, Row
 from pipeline.core.hardware import Gpu, Profile
+from pipeline.core.speedup import Speedup, verdict_of
 from pipeline.report import cost, crossover
 
 
@@ -121,10 +122,10 @@ def test_a_run_recorded_before_runs_kept_their_devices_is_priced_from_its_engine
     assert cost.price_of(CostTarget(), cost.devices_of(old)).price_per_hour == 6.0
 
 
-def _sweep(*points: tuple[int, float, float, float]) -> dict[int, dict[str, float]]:
+def _sweep(*points: tuple[int, float, float, float]) -> dict[int, PointFigures]:
     """Load -> a speedup with its interval (point, low, high), as bench records them."""
-    return {c: {tracking.SPEEDUP: s, tracking.SPEEDUP_CI_LOW: lo, tracking.SPEEDUP_CI_HIGH: hi,
-                tracking.SPEEDUP_N: 4} for c, s, lo, hi in points}
+    return {c: PointFigures(speedup=Speedup(s, lo, hi, 4, 0.95, verdict_of(lo, hi), 0.5))
+            for c, s, lo, hi in points}
 
 
 def test_crossover_is_interpolated_in_log_concurrency():

@@ -131,6 +131,8 @@ def test_a_probes_decision_is_reused_by_the_next_bench_run_here(
     """The float32-against-bf16 probe costs two servers and a few runs: its decision is kept
     by the baseline, hardware, engine, vLLM and sweep, and reused until FORCE=1."""
     from pipeline.bench import reference, workloads
+    from pipeline.core.artifacts import PointFigures
+    from pipeline.core.speedup import FASTER, Speedup
     from pipeline.core.variant import Variant
     from pipeline.serve import EngineSettings
     from tests.conftest import TINY_LOAD
@@ -149,9 +151,8 @@ def test_a_probes_decision_is_reused_by_the_next_bench_run_here(
                 for r in range(len(steps))]}
 
     monkeypatch.setattr(reference, "measure", measure)
-    monkeypatch.setattr(reference, "point_figures", lambda runs, base, looks: {
-        "speedup": 1.5, "speedup_ci_low": 1.4, "speedup_ci_high": 1.6, "speedup_n": 2,
-        "speedup_verdict": "faster"})
+    monkeypatch.setattr(reference, "point_figures", lambda runs, base, looks: PointFigures(
+        speedup=Speedup(1.5, 1.4, 1.6, 2, 0.95, FASTER, 0.01)))
     base = Variant("baseline", workspace, "B")
     first = reference.choose(base, [sweep], EngineSettings(), workspace, workspace, "cpu")
     assert first["dtype"] == "float32" and probes == [sweep.repeats]

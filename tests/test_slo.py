@@ -12,6 +12,7 @@ from pipeline.bench import knee, workloads
 from pipeline.bench.slo import CapacitySearch, Objective, start_wave
 from pipeline.bench.summary import capacity_figures
 from pipeline.calibrate.scenarios import attainment_curve
+from pipeline.core.artifacts import PointFigures
 from pipeline.core.errors import ConfigError
 
 
@@ -347,11 +348,12 @@ def test_an_auto_ceiling_is_what_the_models_kv_cache_holds(tmp_path):
         workloads.load(str(_write(tmp_path, BASE + "slo: {ttft_ms: 9}\nsearch_ceiling: all\n")))
 
 
-def _points(ttft_at_miss: float, preemptions: float = 0.0) -> dict[int, dict[str, float]]:
-    return {4: {"requests_per_s": 5.0, "requests_per_s_min": 4.0, "requests_per_s_max": 6.0,
+def _points(ttft_at_miss: float, preemptions: float = 0.0) -> dict[int, PointFigures]:
+    return {4: PointFigures(metrics={
+                "requests_per_s": 5.0, "requests_per_s_min": 4.0, "requests_per_s_max": 6.0,
                 "output_tokens_per_s": 80.0, "output_tokens_per_s_min": 70.0,
-                "output_tokens_per_s_max": 90.0, "ttft_ms_p99": 300.0},
-            5: {"ttft_ms_p90": ttft_at_miss, "preemptions": preemptions}}
+                "output_tokens_per_s_max": 90.0, "ttft_ms_p99": 300.0}),
+            5: PointFigures(metrics={"ttft_ms_p90": ttft_at_miss, "preemptions": preemptions})}
 
 
 def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
@@ -401,8 +403,9 @@ def test_a_rate_searchs_figures_are_requests_per_second_and_price_the_fleet(tmp_
 
     w = workloads.load(str(_write(tmp_path, RATE)))
     found, _ = search_with(step_curve(7), ceiling=w.levels, bracket_step=w.doubling)
-    points = {c: {"output_tokens_per_s": 10.0 * c, "output_tokens_per_s_min": 9.0 * c,
-                  "output_tokens_per_s_max": 11.0 * c, "requests_per_s": 0.6 * c}
+    points = {c: PointFigures(metrics={
+        "output_tokens_per_s": 10.0 * c, "output_tokens_per_s_min": 9.0 * c,
+        "output_tokens_per_s_max": 11.0 * c, "requests_per_s": 0.6 * c})
               for c in found["points"]}
     figures = capacity_figures(found, points, w, {})
     assert figures.search_by == "rate" and figures.slo_max_concurrency is None

@@ -87,3 +87,29 @@ def test_the_p90_of_ten_values_is_the_ninth_not_the_largest() -> None:
     lengths = length_distribution([{"input_lens": list(range(1, 11)),
                                     "output_lens": list(range(1, 11))}])
     assert lengths is not None and lengths["input_tokens_p90"] == 9
+
+
+def test_point_figures_carry_a_typed_verdict_and_flatten_only_for_mlflow() -> None:
+    from pipeline.bench.summary import point_figures
+    from pipeline.core import tracking
+    from pipeline.core.artifacts import PointFigures, WorkloadFigures
+
+    base = [{"output_throughput": 100.0 + r} for r in range(6)]
+    var = [{"output_throughput": 130.0 + 2 * r} for r in range(6)]
+    at = point_figures(var, base, sp.Looks(6, 6))
+    assert at.speedup is not None and at.speedup.verdict == sp.FASTER and at.speedup.n == 6
+    assert at.metrics[tracking.OUTPUT_TOKENS_PER_S] == pytest.approx(135.0)  # the median
+    assert at.speedup_log_sd is not None and at.speedup_log_sd > 0
+    flat = at.flat()
+    assert flat[tracking.SPEEDUP] == at.speedup.point
+    assert flat[tracking.SPEEDUP_CI_LOW] == at.speedup.low and flat[tracking.SPEEDUP_N] == 6
+    # on disk and back: the verdict is read, not re-derived from string keys
+    again = WorkloadFigures.model_validate_json(WorkloadFigures(points={4: at}).model_dump_json())
+    assert again.points[4] == at
+    # a bench summary written before the verdict was typed (one flat dict) reads the same
+    old = PointFigures.model_validate(flat)
+    assert old.speedup is not None and old.speedup.verdict == sp.FASTER
+    assert old.speedup.point == at.speedup.point and old.metrics == at.metrics
+    assert not PointFigures() and PointFigures(metrics={tracking.TTFT_MS_P50: 1.0})
+    with pytest.raises(ValueError):
+        PointFigures.model_validate({"metrics": {}, "speedup_verdict": "faster"})

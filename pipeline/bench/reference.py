@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.bench.client import BenchClient
 from pipeline.bench.measure import ModelRecord, Step, measure
-from pipeline.bench.summary import point_figures, speedup_of
+from pipeline.bench.summary import point_figures
 from pipeline.bench.workloads import Workload
 from pipeline.core import hardware, paths
 from pipeline.core import log as qlog
@@ -78,7 +78,7 @@ def choose(base: Variant, loads: list[Workload], settings: EngineSettings, out: 
                 f"({failed.variant.name}: {failed.reason})"}
     runs = records[fp32.name].runs.get(sweep.name, {}).get(sweep.headline, [])
     base_runs = records[BASELINE].runs.get(sweep.name, {}).get(sweep.headline, [])
-    found = speedup_of(point_figures(runs, base_runs, sweep.looks(target)))
+    found = point_figures(runs, base_runs, sweep.looks(target)).speedup
     assert found is not None
     chosen = FLOAT32 if found.verdict == FASTER else settings.dtype
     why = (f"{FLOAT32} serves the baseline at {found.text()} its {settings.dtype} throughput "

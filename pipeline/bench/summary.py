@@ -20,10 +20,11 @@ from pipeline.core.artifacts import (
     BenchSummary,
     Capacity,
     ModelBench,
+    PointFigures,
     WorkloadFigures,
 )
 from pipeline.core.provenance import vllm_version
-from pipeline.core.speedup import Looks, Speedup, speedup, verdict_of
+from pipeline.core.speedup import Looks, speedup
 from pipeline.core.variant import BASELINE
 from pipeline.serve import EngineSettings
 
@@ -70,41 +71,24 @@ def _percentile_metrics(results: list[dict]) -> dict[str, str]:
 
 
 def point_figures(results: list[dict], base_runs: list[dict], looks: Looks | None
-           ) -> dict[str, float]:
+                  ) -> PointFigures:
     """The figures of one load point: medians and spread of the client's metrics; and the
     speedup, from the per-repeat ratios (each repeat's variant run over the baseline's run of
     the same prompts) by the sequential rule of :mod:`pipeline.core.speedup`: its geometric
-    mean, its interval at the look that decided, n, the interval's level and the sequential
-    p-value of "faster" (``speedup_verdict`` reads the verdict back from the interval)."""
-    stats: dict[str, float] = {}
+    mean, its interval at the look that decided, n, the interval's level, the sequential
+    p-value of "faster" and the verdict the interval gives."""
+    metrics: dict[str, float] = {}
     for src, metric in {**CLIENT_METRICS, **_percentile_metrics(results)}.items():
         values = [r[src] for r in results if r.get(src) is not None]
         if values:  # how well the repeats agree: throughput's relative spread
-            stats.update({f"{metric}{k}": v for k, v in _spread(values).items()
-                          if k != "_rel_spread" or src == "output_throughput"})
+            metrics.update({f"{metric}{k}": v for k, v in _spread(values).items()
+                            if k != "_rel_spread" or src == "output_throughput"})
     ratios = speed_ratios(results, base_runs) if looks is not None else []
-    if ratios:
-        found = speedup(ratios, looks)
-        stats[tracking.SPEEDUP] = found.point
-        stats[tracking.SPEEDUP_N] = found.n
-        stats[tracking.SPEEDUP_P_FASTER] = found.p_faster
-        if len(ratios) > 1:  # the per-repeat noise (make calibrate's default)
-            stats[tracking.SPEEDUP_LOG_SD] = statistics.stdev(math.log(r) for r in ratios)
-        if found.low is not None and found.high is not None:
-            stats.update({tracking.SPEEDUP_CI_LOW: found.low,
-                          tracking.SPEEDUP_CI_HIGH: found.high,
-                          tracking.SPEEDUP_LEVEL: found.level})
-    return stats
-
-
-def speedup_of(stats: dict[str, float]) -> Speedup | None:
-    """A load point's speedup as recorded (None where it has none: the baseline, a failure)."""
-    if tracking.SPEEDUP not in stats:
-        return None
-    low, high = stats.get(tracking.SPEEDUP_CI_LOW), stats.get(tracking.SPEEDUP_CI_HIGH)
-    return Speedup(stats[tracking.SPEEDUP], low, high, int(stats.get(tracking.SPEEDUP_N, 0)),
-                   stats.get(tracking.SPEEDUP_LEVEL, 0.0), verdict_of(low, high),
-                   stats.get(tracking.SPEEDUP_P_FASTER, 1.0))
+    if not ratios:
+        return PointFigures(metrics=metrics)
+    # the per-repeat noise (make calibrate's default)
+    sd = statistics.stdev(math.log(r) for r in ratios) if len(ratios) > 1 else None
+    return PointFigures(metrics=metrics, speedup=speedup(ratios, looks), speedup_log_sd=sd)
 
 
 def summarize(records: dict[str, ModelRecord], loads: list[Workload],
@@ -146,8 +130,8 @@ def summarize(records: dict[str, ModelRecord], loads: list[Workload],
             off = figures.get(f"{workload.name}_nocache")
             head = workload.headline
             if on and off and head in on.points and head in off.points:
-                on.prefix_cache_ttft_speedup = (off.points[head][tracking.TTFT_MS_P50]
-                                                / on.points[head][tracking.TTFT_MS_P50])
+                on.prefix_cache_ttft_speedup = (off.points[head].metrics[tracking.TTFT_MS_P50]
+                                                / on.points[head].metrics[tracking.TTFT_MS_P50])
         v = record.variant
         out[name] = ModelBench(recipe=v.recipe, status=record.status, identity=v.identity,
                                format=v.format, serve_command=record.serve_command,
@@ -184,11 +168,10 @@ def _measured(points: dict[int, list[dict]]) -> dict[int, list[dict]]:
     return {c: [r for r in runs if not r.get(PILOT)] for c, runs in points.items()}
 
 
-def interpolated(points: dict[int, dict[str, float]], load: float, metric: str
-                 ) -> float | None:
+def interpolated(points: dict[int, PointFigures], load: float, metric: str) -> float | None:
     """``metric`` at ``load`` from the loads measured, linearly between the nearest two (the
     end's own figure beyond the loads measured); None where no load has it."""
-    known = sorted((c, stats[metric]) for c, stats in points.items() if metric in stats)
+    known = sorted((c, at.metrics[metric]) for c, at in points.items() if metric in at.metrics)
     if not known:
         return None
     if load <= known[0][0]:
@@ -199,7 +182,7 @@ def interpolated(points: dict[int, dict[str, float]], load: float, metric: str
     return known[-1][1]
 
 
-def capacity_figures(found: dict, points: dict[int, dict[str, float]], workload: Workload,
+def capacity_figures(found: dict, points: dict[int, PointFigures], workload: Workload,
                      kv: dict[str, float]) -> Capacity:
     """A search's result (:meth:`CapacitySearch.result`), the throughput at the capacity and
     at its interval's ends (interpolated between the loads measured: the cost's range), each
@@ -270,7 +253,7 @@ def traffic_model(workload: Workload) -> str:
     return "closed loop: N users, each sending its next request once its answer is complete"
 
 
-def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workload,
+def limited_by(found: dict, points: dict[int, PointFigures], workload: Workload,
                kv: dict[str, float], slo: Objective) -> str:
     """Why the capacity is what it is: the search's ceiling, the KV cache, or latency."""
     outcome = found.get("outcome", "")
@@ -289,15 +272,15 @@ def limited_by(found: dict, points: dict[int, dict[str, float]], workload: Workl
     if outcome.startswith("misses"):
         return f"latency: the objective is missed even at {workload.load_text(1)}"
     miss = found.get("first_below")
-    at_miss = points.get(miss, {}) if miss else {}
+    at_miss = (points.get(miss) if miss else None) or PointFigures()
     holds = None if workload.by_rate else requests_held(kv, workload.max_tokens_per_request)
     if at_miss.get(tracking.PREEMPTIONS, 0) > 0 or (holds is not None and miss and holds < miss):
         return (f"the KV cache: it holds {holds if holds is not None else '?'} requests of up "
                 f"to {workload.max_tokens_per_request} tokens; "
                 f"{at_miss.get(tracking.PREEMPTIONS, 0):.0f} preemptions at "
                 f"{workload.load_text(miss or 0)}")
-    parts = [f"{m.upper()} p{slo.percentile} {at_miss[key]:.0f} ms"
-             for m in slo.bounds() if (key := _latency_key(m, slo.percentile)) in at_miss]
+    parts = [f"{m.upper()} p{slo.percentile} {at_miss.metrics[key]:.0f} ms"
+             for m in slo.bounds() if (key := _latency_key(m, slo.percentile)) in at_miss.metrics]
     opened = (outcome == ESTIMATED and (found.get("capacity_low") is None
                                          or found.get("capacity_high") is None))
     return (f"latency (compute), not the KV cache: at {workload.load_text(miss or 0)} "
@@ -327,8 +310,8 @@ def _metrics(entry: ModelBench, loads: list[Workload]
             data = entry.workloads.get(label)
             if not data:
                 continue
-            for concurrency, stats in data.points.items():
-                for metric, value in stats.items():
+            for concurrency, figures in data.points.items():
+                for metric, value in figures.flat().items():
                     stepped.append((f"{SWEEP}{prefix}{suffix}{metric}", value, concurrency))
                     if concurrency == workload.headline:
                         metrics[f"{prefix}{suffix}{metric}"] = value

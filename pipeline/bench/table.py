@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pipeline.bench.summary import speedup_of
 from pipeline.bench.workloads import Workload
 from pipeline.core import formats, tracking
 from pipeline.core.artifacts import ESTIMATED, AttainmentPoint, BenchSummary, Capacity, ModelBench
@@ -27,19 +26,20 @@ def _line(name: str, entry: ModelBench, workload: Workload) -> str | None:
         return (f"  {name:10s} unsupported on this hardware ({entry.format}): {entry.reason}\n"
                 f"  {'':10s} served on: {where}")
     data = entry.workloads.get(workload.name)
-    stats = data.points.get(workload.headline) if data else None
-    if not data or not stats:
+    at = data.points.get(workload.headline) if data else None
+    if not data or not at:
         return None
-    tps = (f"{stats[tracking.OUTPUT_TOKENS_PER_S]:7.1f} "
-           f"[{stats[tracking.OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
-           f"{stats[tracking.OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
-    spread = f"{stats.get(tracking.OUTPUT_TOKENS_PER_S + '_rel_spread', 0):.0%}"
-    found = speedup_of(stats)
+    m = at.metrics
+    tps = (f"{m[tracking.OUTPUT_TOKENS_PER_S]:7.1f} "
+           f"[{m[tracking.OUTPUT_TOKENS_PER_S + '_min']:.1f}-"
+           f"{m[tracking.OUTPUT_TOKENS_PER_S + '_max']:.1f}]")
+    spread = f"{m.get(tracking.OUTPUT_TOKENS_PER_S + '_rel_spread', 0):.0%}"
+    found = at.speedup
     speed = f"{found.text()} {found.verdict}" if found is not None else "(reference)"
     kv = int(entry.kv.get(tracking.KV_CACHE_TOKENS, 0))
     return (f"  {name:10s} {tps:>22s} {spread:>7s} {speed:>36s} "
-            f"{stats[tracking.TTFT_MS_P50]:7.0f}ms {stats[tracking.TTFT_MS_P99]:7.0f}ms "
-            f"{stats[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} {data.prefix_cache_hit_rate:>10.1%}")
+            f"{m[tracking.TTFT_MS_P50]:7.0f}ms {m[tracking.TTFT_MS_P99]:7.0f}ms "
+            f"{m[tracking.ITL_MS_P50]:6.1f}ms {kv:>10,} {data.prefix_cache_hit_rate:>10.1%}")
 
 
 def lengths_text(lengths: dict[str, float]) -> str:

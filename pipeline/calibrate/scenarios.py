@@ -23,10 +23,19 @@ from pipeline.bench import workloads
 from pipeline.bench.knee import LEVEL
 from pipeline.bench.measure import run_order, speed_ratios
 from pipeline.bench.slo import CapacitySearch, Objective
-from pipeline.bench.summary import capacity_figures, point_figures, speedup_of
+from pipeline.bench.summary import capacity_figures, point_figures
 from pipeline.core import tracking
-from pipeline.core.artifacts import CostTarget, Price, Row, TaskEntry
-from pipeline.core.speedup import ALPHA, FASTER, SLOWER, Looks, decided, undecided
+from pipeline.core.artifacts import CostTarget, PointFigures, Price, Row, TaskEntry
+from pipeline.core.speedup import (
+    ALPHA,
+    FASTER,
+    INCONCLUSIVE,
+    SLOWER,
+    Looks,
+    Speedup,
+    decided,
+    undecided,
+)
 from pipeline.core.variant import BASELINE
 from pipeline.eval import gate, recovery
 from pipeline.report import cost
@@ -78,23 +87,23 @@ def _throughputs(rng: np.random.Generator, true: float, sd: float,
 
 def speed_draw(true: float, sd: float, looks: Looks, modes: bool = False) -> Draw:
     """A variant measured as bench measures it: repeats until decided (``decided``), then the
-    figure bench records (``_point``) read back as the report reads it (``speedup_of``)."""
+    figure bench records (``point_figures``), its verdict as the report reads it."""
     def draw(rng: np.random.Generator) -> str:
         base, var = [], []
         while not decided(speed_ratios(var, base), looks):
             b, v = _throughputs(rng, true, sd, modes)
             base.append({"output_throughput": b})
             var.append({"output_throughput": v})
-        found = speedup_of(point_figures(var, base, looks))
+        found = point_figures(var, base, looks).speedup
         assert found is not None
         return found.verdict
     return draw
 
 
-def _row(name: str, stats: dict[str, float], status: str = gate.PASS) -> Row:
+def _row(name: str, at: PointFigures, status: str = gate.PASS) -> Row:
     return Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
                weight_ratio=0.5, serving="ok", gate_status=status, threshold=96.0,
-               headline=stats, comparable=True)
+               headline=at, comparable=True)
 
 
 def recommend_draw(k: int, true: float, sd: float, looks: Looks, failing: int = 0,
@@ -153,10 +162,10 @@ def drift_draw(k: int, true: float, looks: Looks, report: str = "speed") -> Draw
                                    for name in names}, looks)
         figures = {name: point_figures(runs[name], runs[BASELINE], looks) for name in names}
         if report == "speed":
-            found = speedup_of(figures[names[0]])
+            found = figures[names[0]].speedup
             assert found is not None
             return found.verdict
-        rows = [_row(BASELINE, {})] + [_row(name, figures[name]) for name in names]
+        rows = [_row(BASELINE, PointFigures())] + [_row(name, figures[name]) for name in names]
         best, _ = recommend(rows, "speed")
         return "recommends one" if best else "recommends none"
     return draw
@@ -343,10 +352,11 @@ def _cost_row(name: str, search: CapacitySearch, tps: Callable[[int], float],
     points = {}
     for c, point in search.points.items():
         draws = [tps(c) * math.exp(rng.normal(0, sd)) for _ in range(max(1, point.runs))]
-        points[c] = {tracking.OUTPUT_TOKENS_PER_S: float(np.median(draws)),
-                     tracking.OUTPUT_TOKENS_PER_S + "_min": min(draws),
-                     tracking.OUTPUT_TOKENS_PER_S + "_max": max(draws),
-                     tracking.REQUESTS_PER_S: float(np.median(draws)) / 16}
+        points[c] = PointFigures(metrics={
+            tracking.OUTPUT_TOKENS_PER_S: float(np.median(draws)),
+            tracking.OUTPUT_TOKENS_PER_S + "_min": min(draws),
+            tracking.OUTPUT_TOKENS_PER_S + "_max": max(draws),
+            tracking.REQUESTS_PER_S: float(np.median(draws)) / 16})
     found = {**search.result(), "slo": CAPACITY.slo.model_dump() if CAPACITY.slo else {}}
     row = Row(name=name, recipe=name, scheme="S", format="f", precision="p", weight_bytes=1,
               weight_ratio=1.0, serving="ok")
@@ -371,7 +381,9 @@ def cost_draw(curve: Callable[[int], float], ceiling: int, target: float, runs: 
                           rng, tps_sd) for n in names]
         if k:
             for row in rows[1:]:
-                row.gate_status, row.comparable, row.headline = gate.PASS, True, {"speedup": 1.0}
+                row.gate_status, row.comparable = gate.PASS, True
+                row.headline = PointFigures(speedup=Speedup(1.0, None, None, 0, 0.0,
+                                                            INCONCLUSIVE, 1.0))
                 row.threshold = 95.0
             return "recommends one" if recommend(rows, "cost")[0] else "recommends none"
         if any(r.cost is None or r.cost.usd_per_million_output_tokens is None for r in rows):

@@ -22,7 +22,7 @@ from pydantic import Field
 from pipeline.bench import workloads
 from pipeline.calibrate.scenarios import Scenario, catalogue, drifting_host, two_speed_host
 from pipeline.core import log as qlog
-from pipeline.core import paths, tracking
+from pipeline.core import paths
 from pipeline.core.artifacts import BenchSummary
 from pipeline.core.errors import QpipeError
 from pipeline.core.fsutil import write_json_atomic
@@ -62,9 +62,9 @@ def measured_noise() -> tuple[float, str] | None:
         summary = BenchSummary.read(path)
         if summary is None:
             continue
-        spreads = [stats[tracking.SPEEDUP_LOG_SD] for entry in summary.models.values()
+        spreads = [at.speedup_log_sd for entry in summary.models.values()
                    for figures in entry.workloads.values() if figures.capacity is None
-                   for stats in figures.points.values() if stats.get(tracking.SPEEDUP_LOG_SD)]
+                   for at in figures.points.values() if at.speedup_log_sd]
         if spreads:
             return statistics.median(spreads), f"bench run {path.parent.name}"
     return None

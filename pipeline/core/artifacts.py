@@ -22,10 +22,11 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.core import formats, paths
+from pipeline.core import formats, paths, tracking
 from pipeline.core.errors import ConfigError
 from pipeline.core.formats import Identified
 from pipeline.core.fsutil import write_json_atomic
+from pipeline.core.speedup import Speedup, verdict_of
 
 A = TypeVar("A", bound="Artifact")
 
@@ -419,11 +420,63 @@ class EngineUse(BaseModel):
     plan_check: str = ""  # the planner's KV figures off the engine's by more than 10%: which
 
 
+# a speedup's fields as MLflow metrics (and as bench summaries before it was typed held them)
+_SPEEDUP_METRICS = {"point": tracking.SPEEDUP, "low": tracking.SPEEDUP_CI_LOW,
+                    "high": tracking.SPEEDUP_CI_HIGH, "n": tracking.SPEEDUP_N,
+                    "level": tracking.SPEEDUP_LEVEL, "p_faster": tracking.SPEEDUP_P_FASTER}
+
+
+class PointFigures(BaseModel):
+    """One model's figures at one load point: the client's measurements (medians and spread,
+    under their MLflow metric names) and, for a variant, its speedup against the baseline run
+    on the same prompts, a typed verdict. Flattened to metric names only for MLflow
+    (:meth:`flat`). Falsy when nothing was measured."""
+
+    model_config = ConfigDict(extra="forbid")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    speedup: Speedup | None = None  # None: the baseline, or no paired runs
+    speedup_log_sd: float | None = None  # the spread of the per-repeat log ratios
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flat(cls, value: Any) -> Any:
+        """A bench summary written before the speedup was typed: one flat metric dict."""
+        if not isinstance(value, dict) or "metrics" in value or not value or \
+                not all(isinstance(v, int | float) for v in value.values()):
+            return value
+        flat = dict(value)
+        out: dict[str, Any] = {"speedup_log_sd": flat.pop(tracking.SPEEDUP_LOG_SD, None)}
+        taken = {f: flat.pop(m, None) for f, m in _SPEEDUP_METRICS.items()}
+        if taken["point"] is not None:
+            out["speedup"] = Speedup(
+                taken["point"], taken["low"], taken["high"], int(taken["n"] or 0),
+                taken["level"] or 0.0, verdict_of(taken["low"], taken["high"]),
+                1.0 if taken["p_faster"] is None else taken["p_faster"])
+        return {**out, "metrics": flat}
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics) or self.speedup is not None
+
+    def get(self, metric: str, default: float | None = None) -> float | None:
+        """A measurement by its metric name (``output_tokens_per_s``, ``ttft_ms_p50``)."""
+        return self.metrics.get(metric, default)
+
+    def flat(self) -> dict[str, float]:
+        """Every figure under its MLflow metric name (where MLflow is written, only)."""
+        out = dict(self.metrics)
+        if self.speedup is not None:
+            out.update({m: float(v) for f, m in _SPEEDUP_METRICS.items()
+                        if (v := getattr(self.speedup, f)) is not None})
+        if self.speedup_log_sd is not None:
+            out[tracking.SPEEDUP_LOG_SD] = self.speedup_log_sd
+        return out
+
+
 class WorkloadFigures(BaseModel):
     """One model's figures for one workload: per load point, and the cache counters."""
 
     model_config = ConfigDict(extra="ignore")
-    points: dict[int, dict[str, float]] = Field(default_factory=dict)
+    points: dict[int, PointFigures] = Field(default_factory=dict)
     prefix_cache_hit_rate: float = 0.0
     prefix_cache_hit_tokens: float = 0.0
     prefix_cache_query_tokens: float = 0.0
@@ -739,8 +792,8 @@ class Row(BaseModel):
     serving: str = "not measured"  # ok | unsupported | failed | not measured
     serving_reason: str = ""
     serving_log: str = ""
-    headline: dict[str, float] = Field(default_factory=dict)  # bench stats at the headline
-    sweep: dict[int, dict[str, float]] = Field(default_factory=dict)  # load point -> stats
+    headline: PointFigures = Field(default_factory=PointFigures)  # at the headline load point
+    sweep: dict[int, PointFigures] = Field(default_factory=dict)  # load point -> its figures
     crossover: str = ""  # where the speedup crosses 1 across the sweep, as a sentence
     capacity: Capacity | None = None  # at the latency objective: users
     rate_capacity: Capacity | None = None  # and requests/s (a rate search)
@@ -772,7 +825,7 @@ class Row(BaseModel):
 
     @property
     def speedup(self) -> float | None:
-        return self.headline.get("speedup")
+        return self.headline.speedup.point if self.headline.speedup else None
 
     def served_concurrency(self, context: int) -> int | None:
         """Requests of ``context`` tokens the served engine's KV cache holds at once (paged)."""

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import itertools
 
-from pipeline.bench.summary import speedup_of
+from pipeline.core.artifacts import PointFigures
 from pipeline.core.speedup import FASTER, SLOWER
-from pipeline.core.tracking import SPEEDUP
 
 
-def crossings(sweep: dict[int, dict[str, float]]) -> list[float]:
+def crossings(sweep: dict[int, PointFigures]) -> list[float]:
     """The loads at which the median speedup crosses 1, in order."""
-    points = [(c, st[SPEEDUP]) for c, st in sorted(sweep.items()) if SPEEDUP in st]
+    points = [(c, at.speedup.point) for c, at in sorted(sweep.items()) if at.speedup]
     found = []
     for (c1, s1), (c2, s2) in itertools.pairwise(points):
         if (s1 > 1) != (s2 > 1) and s1 != s2:
@@ -27,11 +26,11 @@ def crossings(sweep: dict[int, dict[str, float]]) -> list[float]:
     return found
 
 
-def sentence(sweep: dict[int, dict[str, float]]) -> str:
+def sentence(sweep: dict[int, PointFigures]) -> str:
     """One sentence: each load's verdict (its interval, n), and where the speedup crosses 1
     between two loads decided either way ("" unmeasured). "At every load" is said only when
     every load's interval is decided the same way."""
-    points = [(c, found) for c, st in sorted(sweep.items()) if (found := speedup_of(st))]
+    points = [(c, found) for c, at in sorted(sweep.items()) if (found := at.speedup)]
     if not points:
         return ""
     measured = "; ".join(f"{found.verdict} at {c} ({found.text()})" for c, found in points)

@@ -49,7 +49,7 @@ def child_metrics(row: Row) -> dict[str, float]:
     if row.plan is not None:  # at the campaign's plan target (the parent's plan_* params)
         m.update(row.plan.model_dump())
     if row.serving == "ok":
-        m.update({k: v for k, v in row.headline.items() if isinstance(v, (int, float))})
+        m.update(row.headline.flat())
         if row.peak_memory_bytes:
             m[tracking.SERVER_PEAK_MEMORY_BYTES] = row.peak_memory_bytes
         m.update(row.prefix)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, Comparison
 from pipeline.core.variant import BASELINE
 
@@ -56,8 +55,9 @@ def plot_pareto(comparison: Comparison) -> tuple[str, str]:
             continue
         y, low, high = fig_s.recovery_pct, fig_s.ci_low, fig_s.ci_high
         x = row.speedup
-        x_low = row.headline.get(tracking.SPEEDUP_CI_LOW, x)
-        x_high = row.headline.get(tracking.SPEEDUP_CI_HIGH, x)
+        found = row.headline.speedup
+        x_low = found.low if found and found.low is not None else x
+        x_high = found.high if found and found.high is not None else x
         other = "" if row.comparable else ", other run: not compared"
         ax.errorbar([x], [y], yerr=[[y - low], [high - y]], xerr=[[x - x_low], [x_high - x]],
                     fmt="o" if row.comparable else "x", capsize=4, alpha=1 if row.comparable

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-from pipeline.bench.summary import speedup_of
-from pipeline.core import tracking
 from pipeline.core.artifacts import EMULATED, OBJECTIVES, Row
 from pipeline.core.speedup import FASTER, INCONCLUSIVE, SAME, SLOWER, holm
 from pipeline.core.variant import BASELINE
@@ -35,7 +33,7 @@ def _suites_text(row: Row) -> str:
 
 def speed_text(row: Row) -> str:
     """``1.08x [1.03, 1.13], n=5`` (the interval at the look that decided)."""
-    found = speedup_of(row.headline)
+    found = row.headline.speedup
     return found.text() if found is not None else "not measured"
 
 
@@ -45,7 +43,7 @@ def compared(rows: list[Row]) -> dict[str, float]:
     figures) is never recommended, so it is no part of the family a chance "faster" could
     come from; the calibration's family-wise scenarios measure both cases."""
     return {r.name: found.p_faster for r in rows if r.name != BASELINE and r.comparable
-            and r.gate_status == gate.PASS and (found := speedup_of(r.headline)) is not None}
+            and r.gate_status == gate.PASS and (found := r.headline.speedup) is not None}
 
 
 def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None,
@@ -76,7 +74,7 @@ def _why_not(row: Row, objective: str, family: set[str], base: Row | None = None
             verdict = "is not cheaper than the baseline" if shown is False else \
                 "is not shown cheaper than the baseline"
             return f"passes its gate but {verdict}: {why}"
-    found = speedup_of(row.headline)
+    found = row.headline.speedup
     if objective == "speed" and (found is None or found.verdict != FASTER):
         verdict = found.verdict if found is not None else INCONCLUSIVE
         what = {SLOWER: "is slower than the baseline",
@@ -114,7 +112,8 @@ def recommend(rows: list[Row], objective: str = "speed") -> tuple[str | None, st
                       "qualifies: " + ("; ".join(why_not) if why_not else
                                        "no variant on disk (make quantize)"))
     if objective == "speed":  # the largest lower end: the speed it is shown to have at least
-        best = max(eligible, key=lambda r: r.headline.get(tracking.SPEEDUP_CI_LOW) or 0.0)
+        best = max(eligible, key=lambda r: r.headline.speedup.low or 0.0
+                   if r.headline.speedup else 0.0)
     elif objective == "memory":
         best = min(eligible, key=lambda r: r.weight_bytes)
     elif objective == "cost":  # the cost each is shown to stay under

@@ -7,7 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.bench.reference import FLOAT32
-from pipeline.core.artifacts import BenchSummary, Capacity, CostTarget, ModelBench, Row
+from pipeline.core.artifacts import (
+    BenchSummary,
+    Capacity,
+    CostTarget,
+    ModelBench,
+    PointFigures,
+    Row,
+)
 from pipeline.core.variant import BASELINE
 from pipeline.report import cost, crossover
 
@@ -79,8 +86,8 @@ def capacity_of(entry: ModelBench, by: str = "concurrency") -> Capacity | None:
         found = figures.capacity
         if found is not None and found.search_by == by:
             return found.model_copy(update={"workload": name, "curve": {
-                c: {k: st[k] for k in found.bounds if k in st}
-                for c, st in figures.points.items()}})
+                c: {k: at.metrics[k] for k in found.bounds if k in at.metrics}
+                for c, at in figures.points.items()}})
     return None
 
 
@@ -170,7 +177,7 @@ def apply_bench(row: Row, summary: BenchSummary, entry: ModelBench) -> tuple[str
     row.sweep = dict(data.points) if data else {}
     if head is None and row.sweep:
         head = sorted(row.sweep)[len(row.sweep) // 2]
-    row.headline = row.sweep.get(head, {}) if head is not None else {}
+    row.headline = (row.sweep.get(head) if head is not None else None) or PointFigures()
     if row.name != BASELINE:
         row.crossover = crossover.sentence(row.sweep)
     row.capacity = capacity_of(entry)

@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.summary import speedup_of
 from pipeline.bench.table import SPEED_METHOD, lengths_text
 from pipeline.core import tracking
-from pipeline.core.artifacts import EMULATED, Comparison, Prediction, Row
+from pipeline.core.artifacts import EMULATED, Comparison, PointFigures, Prediction, Row
 from pipeline.core.fsutil import atomic_dir
 from pipeline.core.variant import BASELINE
 from pipeline.plan import capacity
@@ -32,11 +31,11 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _spread(stats: dict[str, float], metric: str, fmt: str = "{:.1f}") -> str:
-    if metric not in stats:
+def _spread(at: PointFigures, metric: str, fmt: str = "{:.1f}") -> str:
+    if metric not in at.metrics:
         return "-"
-    low, high = stats.get(f"{metric}_min"), stats.get(f"{metric}_max")
-    body = fmt.format(stats[metric])
+    low, high = at.get(f"{metric}_min"), at.get(f"{metric}_max")
+    body = fmt.format(at.metrics[metric])
     return f"{body} [{fmt.format(low)}-{fmt.format(high)}]" if low is not None else body
 
 
@@ -57,7 +56,7 @@ def _speed_cell(row: Row) -> str:
         return "FAILED (see notes)"
     if row.name == BASELINE:
         return "1.00x (reference)" if row.headline else "-"
-    found = speedup_of(row.headline)
+    found = row.headline.speedup
     if found is None:
         return "-"
     cell = f"{found.text()} {found.verdict}"
@@ -253,7 +252,7 @@ def search_lines(comparison: Comparison) -> list[str]:
         out.append(f"{row.name}: predicted KL {predicted:.4f} nats/token (its units' damages "
                    f"summed; {row.search.basis}), {tail}")
         if row.search.predicted_speedup:
-            found = speedup_of(row.headline)
+            found = row.headline.speedup
             slow, shigh = row.search.predicted_speedup_low, row.search.predicted_speedup_high
             ends = f" [{slow:.2f}, {shigh:.2f}]" if slow and shigh else ""
             out.append(f"{row.name}: predicted speedup {row.search.predicted_speedup:.2f}x"
@@ -333,7 +332,7 @@ def csv_text(comparison: Comparison) -> str:
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in comparison.rows:
-        h = row.headline
+        h = row.headline.flat()  # the figures under their metric names, as MLflow has them
         record: dict[str, Any] = {
             "variant": row.name, "recipe": row.recipe, "scheme": row.scheme,
             "format": row.format, "precision": row.precision, "weight_bytes": row.weight_bytes,

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.core import tracking
 from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable
 from pipeline.search.recipe import KEEP
 from pipeline.search.solver import Option
@@ -59,10 +58,10 @@ def speeds(table: SensitivityTable, target: Target | None = None
     found = {KEEP: Speed(own["point"], own["low"], own["high"]) if own else Speed(1.0, 1.0, 1.0)}
     for row in comparison.rows:
         if row.name in table.formats and row.name != KEEP and row.comparable \
-                and row.serving == "ok" and row.speedup:
-            point = round(row.speedup, 4)
-            low = row.headline.get(tracking.SPEEDUP_CI_LOW) or point
-            high = row.headline.get(tracking.SPEEDUP_CI_HIGH) or point
+                and row.serving == "ok" and (measured := row.headline.speedup):
+            point = round(measured.point, 4)
+            low = measured.low or point
+            high = measured.high or point
             found[row.name] = Speed(point, round(min(low, point), 4), round(max(high, point), 4))
     when = comparison.meta.get("created", "")
     where = comparison.hardware or "the machine that ran it"
