@@ -22,6 +22,7 @@ from pipeline.core.artifacts import (
     PointFigures,
     Prediction,
     Price,
+    Recovery,
     Row,
     SuiteFigure,
     TaskEntry,
@@ -67,9 +68,12 @@ def _row(name: str, speedup: float | None, status: str, low: float = 99.5,
     row.suites = {"app": SuiteFigure(recovery_pct=recovery, ci_low=low, ci_high=recovery + 1.5,
                                      tasks=["app_facts"], backend=backend)}
     row.tasks = {"app_facts": TaskEntry(suite="app", backend=backend, primary_metric="acc,none",
-                                        recovery={"acc,none": {"recovery_pct": recovery,
-                                                               "ci_low": low,
-                                                               "ci_high": recovery + 1.5}})}
+                                        recovery={"acc,none": Recovery(
+                                            n=200, baseline_score=0.8, variant_score=0.8,
+                                            chance=0.25, meaningful=True,
+                                            recovery_pct=recovery, ci_low=low,
+                                            ci_high=recovery + 1.5, flips=4, flip_rate=0.02,
+                                            gained=2, lost=2)})}
     row.plan = planned(40, 10)
     return row
 

@@ -21,7 +21,7 @@ def _entry(base: list[int], var: list[int], chance: float = 0.5, suite: str = "a
     """A task entry as eval writes it, from paired 0/1 scores."""
     r = recovery.recovery(base, var, chance)
     return TaskEntry(suite=suite, backend=backend, primary_metric="acc,none",
-                     recovery={"acc,none": r.as_dict()}, **identity)
+                     recovery={"acc,none": r}, **identity)
 
 
 def _items(n: int, right: int, lost: int = 0, gained: int = 0) -> tuple[list[int], list[int]]:
@@ -66,7 +66,8 @@ def test_a_tiny_task_identical_to_the_baseline_is_inconclusive_not_a_pass() -> N
     assert "5 items can certify at best" in line and "below the threshold" in line
     assert "answering every item as the baseline does" in line and "items would" in line
     r = entries["t"].recovery["acc,none"]
-    assert r["ci_low"] < 60 and r["certifiable_pct"] == pytest.approx(r["ci_low"])
+    assert r.ci_low is not None and r.ci_low < 60
+    assert r.certifiable_pct == pytest.approx(r.ci_low)
     # 131 identical items: still short of 99%, and the verdict says how far
     grammar = gate.judge({"g": _entry(*_items(131, 125))}, "fp8", 99)
     assert grammar.status == gate.INCONCLUSIVE
@@ -215,7 +216,7 @@ def test_a_suite_does_not_pass_on_other_tasks_gains_over_one_tasks_real_loss() -
                "b": _entry(*_items(300, 240, gained=9), chance=0.25),
                "c": _entry(*_items(100, 80, lost=6), chance=0.25)}
     c = entries["c"].primary()
-    assert c["lost"] > c["gained"] and c["recovery_pct"] == pytest.approx(92.5)
+    assert c is not None and c.lost > c.gained and c.recovery_pct == pytest.approx(92.5)
     assert gate.suite_figures(entries)["app"].ci_low >= 96  # the mean clears it
     verdict = gate.judge(entries, "int4", 96)
     assert verdict.status == gate.INCONCLUSIVE and not verdict.ok, verdict

@@ -131,17 +131,17 @@ def test_suite_figure_is_the_mean_of_task_recoveries_not_the_ratio_of_means() ->
     pooled = recovery.ratio_pct(a[0] + b[0], a[1] + b[1])
     assert pooled == pytest.approx(91.67, abs=0.01)
     assert fig.ci_low <= 75.0 <= fig.ci_high
-    assert fig.tasks == ("a", "b") and fig.skipped == ()
+    assert fig.tasks == ["a", "b"] and fig.skipped == []
 
 
 def test_suite_figure_skips_tasks_at_chance() -> None:
     good = ([1] * 40 + [0] * 10, [1] * 38 + [0] * 12)
     at_chance = ([1] * 26 + [0] * 24, [1] * 20 + [0] * 30)
     fig = recovery.suite_recovery({"good": good, "coin": at_chance}, {"good": 0.5, "coin": 0.5})
-    assert fig.tasks == ("good",) and fig.skipped == ("coin",)
+    assert fig.tasks == ["good"] and fig.skipped == ["coin"]
     assert fig.recovery_pct == pytest.approx(95.0)
     empty = recovery.suite_recovery({"coin": at_chance}, {"coin": 0.5})
-    assert empty.recovery_pct is None and empty.skipped == ("coin",)
+    assert empty.recovery_pct is None and empty.skipped == ["coin"]
 
 
 def test_bad_input_is_refused() -> None:

@@ -203,7 +203,7 @@ def gate_draw(tasks: dict[str, TaskTruth], threshold: float, level: str) -> Draw
             b, v = truth.draw(rng)
             r = recovery.recovery(b, v, truth.chance)
             entries[name] = TaskEntry(suite="app", backend="served", primary_metric="acc,none",
-                                      recovery={"acc,none": r.as_dict()})
+                                      recovery={"acc,none": r})
         return gate.judge(entries, "v", threshold, level).status
     return draw
 

@@ -550,6 +550,36 @@ SERVED = "served"  # lm-eval local-completions against vLLM: the serving numeric
 EMULATED = "emulated"  # lm-eval hf on de-compressed weights
 
 
+# how a task's recovery interval was computed
+EXACT, BOOTSTRAP = "exact (Clopper-Pearson on the losses)", "bootstrap"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Recovery of one task and metric (computed by pipeline/eval/recovery.py), as eval writes
+    it and the gate and the report read it; percentages, None where undefined."""
+
+    n: int
+    baseline_score: float
+    variant_score: float
+    chance: float
+    meaningful: bool
+    recovery_pct: float | None  # None: not meaningful, or a zero baseline
+    ci_low: float | None
+    ci_high: float | None
+    flips: int
+    flip_rate: float
+    gained: int  # wrong (lower) under the baseline, right (higher) under the variant
+    lost: int
+    certifiable_pct: float | None = None  # the lower end with zero flips: the best n can show
+    method: str = EXACT
+    above_chance_pct: float | None = None  # (variant - chance) / (baseline - chance), where
+    # the task has a chance level
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class TaskEntry(BaseModel):
     """One task scored on one variant, with what it was scored on."""
 
@@ -557,7 +587,7 @@ class TaskEntry(BaseModel):
     suite: str
     backend: str
     primary_metric: str
-    recovery: dict[str, dict[str, Any]]  # metric key -> Recovery.as_dict()
+    recovery: dict[str, Recovery]  # metric key -> its recovery
     identity: str = ""  # the variant's checkpoint
     baseline_identity: str = ""
     task_sha: str = ""  # the task file and its data
@@ -565,7 +595,7 @@ class TaskEntry(BaseModel):
     command: str = ""
     updated: str = ""
 
-    def primary(self) -> dict[str, Any] | None:
+    def primary(self) -> Recovery | None:
         return self.recovery.get(self.primary_metric)
 
 

@@ -36,6 +36,7 @@ from pipeline.core.artifacts import (
     Baseline,
     EvalFailure,
     Manifest,
+    Recovery,
     RecoverySummary,
     SuiteFigure,
     TaskEntry,
@@ -143,9 +144,9 @@ def suite_figures(entries: Entries) -> dict[str, SuiteFigure]:
             groups.setdefault(entry.suite, {})[name] = entry
     out = {}
     for suite, members in sorted(groups.items()):
-        fig = recovery.suite_from_tasks({n: e.primary() for n, e in members.items()}).as_dict()
-        backend = EMULATED if any(e.backend == EMULATED for e in members.values()) else SERVED
-        out[suite] = SuiteFigure(**fig, backend=backend)
+        fig = recovery.suite_from_tasks({n: _primary(e) for n, e in members.items()})
+        fig.backend = EMULATED if any(e.backend == EMULATED for e in members.values()) else SERVED
+        out[suite] = fig
     return out
 
 
@@ -184,56 +185,60 @@ def _mark(backend: str | None) -> str:
     return " [emulated]" if backend == EMULATED else ""
 
 
+def _primary(entry: TaskEntry) -> Recovery:
+    """The recovery of a task the suite's figure counted (it has one)."""
+    found = entry.primary()
+    assert found is not None
+    return found
+
+
 def _judge_tasks(entries: Entries, threshold: float,
                  out: dict[str, list[str]]) -> None:
     for task, entry in sorted(entries.items()):
         r = entry.primary()
         if r is None:
             continue
-        if not r["meaningful"] or r["recovery_pct"] is None or r["ci_low"] is None:
+        if not r.meaningful or r.recovery_pct is None or r.ci_low is None or r.ci_high is None:
             out["skipped"].append(
-                f"{task}: not meaningful (baseline {r['baseline_score']:.3f} is within noise "
-                f"of chance {r['chance']:.3f})")
+                f"{task}: not meaningful (baseline {r.baseline_score:.3f} is within noise "
+                f"of chance {r.chance:.3f})")
             continue
-        skill = r.get("above_chance_pct")
+        skill = r.above_chance_pct
         above = f" (above chance: {skill:.1f}%)" if skill is not None else ""
-        line = (f"{task}{_mark(entry.backend)}: recovery {r['recovery_pct']:.1f}% "
-                f"[95% CI {r['ci_low']:.1f}, {r['ci_high']:.1f}]{above}, "
-                f"{r['flips']}/{r['n']} flips")
-        _sort(line, r["ci_low"], r["ci_high"], threshold, out,
-              _certify(r["n"], r.get("certifiable_pct"), threshold,
-                       [(r["n"], r["baseline_score"])]))
+        line = (f"{task}{_mark(entry.backend)}: recovery {r.recovery_pct:.1f}% "
+                f"[95% CI {r.ci_low:.1f}, {r.ci_high:.1f}]{above}, {r.flips}/{r.n} flips")
+        _sort(line, r.ci_low, r.ci_high, threshold, out,
+              _certify(r.n, r.certifiable_pct, threshold, [(r.n, r.baseline_score)]))
 
 
 def _judge_suites(entries: Entries, threshold: float,
                   out: dict[str, list[str]]) -> None:
     for suite, fig in suite_figures(entries).items():
         mark = _mark(fig.backend)
-        if fig.recovery_pct is None:
+        if fig.recovery_pct is None or fig.ci_low is None or fig.ci_high is None:
             out["skipped"].append(f"suite {suite}{mark}: not meaningful (no task above chance)")
             continue
         line = (f"suite {suite}{mark}: recovery {fig.recovery_pct:.1f}% [95% CI "
                 f"{fig.ci_low:.1f}, {fig.ci_high:.1f}] over {', '.join(fig.tasks)} "
                 f"({fig.items} items)")
-        sinking = [t for t in fig.tasks if entries[t].primary()["ci_high"] < threshold]
+        scores = {t: _primary(entries[t]) for t in fig.tasks}  # each with its figures
+        sinking = [t for t, r in scores.items() if (r.ci_high or 0.0) < threshold]
         if sinking:
-            lows = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% [upper end "
-                             f"{entries[t].primary()['ci_high']:.1f}]" for t in sinking)
-            lost = any(entries[t].primary()["recovery_pct"] < 100 for t in sinking)
+            lows = ", ".join(f"{t} {scores[t].recovery_pct:.1f}% [upper end "
+                             f"{scores[t].ci_high:.1f}]" for t in sinking)
+            lost = any((scores[t].recovery_pct or 0.0) < 100 for t in sinking)
             why = ("one task's loss is not averaged away by the others" if lost else
                    "no task lost anything, but a threshold above 100% asks the variant to beat "
                    "the baseline, and this task is shown not to")
             out["failed"].append(f"{line}; task {lows} < threshold {threshold:g}: {why}")
             continue
-        scores = [entries[t].primary() for t in fig.tasks]
-        shares = [(int(r["n"]), float(r["baseline_score"])) for r in scores]
+        shares = [(r.n, r.baseline_score) for r in scores.values()]
         certify = _certify(fig.items, fig.certifiable_pct, threshold, shares)
-        hidden = [t for t, r in zip(fig.tasks, scores, strict=True)
-                  if r["recovery_pct"] < threshold and r["lost"] > r["gained"]]
+        hidden = [t for t, r in scores.items()
+                  if (r.recovery_pct or 0.0) < threshold and r.lost > r.gained]
         if hidden and fig.ci_low >= threshold:
-            losses = ", ".join(f"{t} {entries[t].primary()['recovery_pct']:.1f}% ("
-                               f"{entries[t].primary()['lost']} lost, "
-                               f"{entries[t].primary()['gained']} gained)" for t in hidden)
+            losses = ", ".join(f"{t} {scores[t].recovery_pct:.1f}% ({scores[t].lost} lost, "
+                               f"{scores[t].gained} gained)" for t in hidden)
             out["inconclusive"].append(
                 f"{line}; the suite's mean clears {threshold:g}, but task {losses} measures "
                 "below the threshold, with more items lost than gained: the other tasks' gains "

@@ -36,11 +36,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 
 import numpy as np
 from scipy import stats
 
+from pipeline.core.artifacts import BOOTSTRAP, EXACT, Recovery, SuiteFigure
 from pipeline.core.shares import share_bounds
 
 BOOTSTRAP_ITERS = 2000
@@ -49,32 +49,6 @@ CONFIDENCE = 0.95
 Z = 1.959963984540054  # two-sided 95%
 NOISE_Z = Z  # the baseline must clear chance by its 95% interval
 ALPHA_SIDE = (1 - CONFIDENCE) / 2  # each end of the interval
-EXACT, BOOTSTRAP = "exact (Clopper-Pearson on the losses)", "bootstrap"
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """Recovery of one task and metric; percentages, None where undefined."""
-
-    n: int
-    baseline_score: float
-    variant_score: float
-    chance: float
-    meaningful: bool
-    recovery_pct: float | None  # None: not meaningful, or a zero baseline
-    ci_low: float | None
-    ci_high: float | None
-    flips: int
-    flip_rate: float
-    gained: int  # wrong (lower) under the baseline, right (higher) under the variant
-    lost: int
-    certifiable_pct: float | None = None  # the lower end with zero flips: the best n can show
-    method: str = EXACT
-    above_chance_pct: float | None = None  # (variant - chance) / (baseline - chance), where
-    # the task has a chance level
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _arrays(baseline: Sequence[float], variant: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -288,22 +262,6 @@ def recovery(baseline: Sequence[float], variant: Sequence[float], chance: float 
         if pct is not None else None)
 
 
-@dataclass(frozen=True)
-class SuiteRecovery:
-    """Mean of per-task recoveries over the meaningful tasks, with a MOVER interval."""
-
-    recovery_pct: float | None
-    ci_low: float | None
-    ci_high: float | None
-    tasks: tuple[str, ...]  # the tasks that entered the mean
-    skipped: tuple[str, ...]  # not meaningful (or a zero baseline)
-    items: int = 0  # items of the tasks that entered the mean
-    certifiable_pct: float | None = None  # the best lower end these tasks could give together
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 def _mover(points: list[float], ends: list[float], sign: int) -> float:
     """MOVER (Zou & Donner 2008) for the mean of independent estimates: the distance of the
     mean to its limit is the root of the summed squared distances, over their count."""
@@ -312,31 +270,33 @@ def _mover(points: list[float], ends: list[float], sign: int) -> float:
         sum((p - e) ** 2 for p, e in zip(points, ends, strict=True))) / k
 
 
-def suite_from_tasks(tasks: Mapping[str, Recovery | Mapping]) -> SuiteRecovery:
-    """The suite figure from its tasks' own recoveries (objects or their ``as_dict``)."""
+def suite_from_tasks(tasks: Mapping[str, Recovery]) -> SuiteFigure:
+    """The suite figure from its tasks' own recoveries (its ``backend`` is the caller's to
+    set)."""
     used, skipped = [], []
-    rows = []
+    rows: list[Recovery] = []
     for name, r in sorted(tasks.items()):
-        d = r.as_dict() if isinstance(r, Recovery) else dict(r)
-        if d.get("recovery_pct") is None or d.get("ci_low") is None:
+        if r.recovery_pct is None or r.ci_low is None or r.ci_high is None:
             skipped.append(name)
             continue
         used.append(name)
-        rows.append(d)
+        rows.append(r)
     if not used:
-        return SuiteRecovery(None, None, None, (), tuple(skipped))
-    points = [d["recovery_pct"] for d in rows]
-    low = _mover(points, [d["ci_low"] for d in rows], -1)
-    high = _mover(points, [d["ci_high"] for d in rows], +1)
+        return SuiteFigure(recovery_pct=None, ci_low=None, ci_high=None, skipped=skipped)
+    points = [r.recovery_pct for r in rows if r.recovery_pct is not None]
+    low = _mover(points, [r.ci_low for r in rows if r.ci_low is not None], -1)
+    high = _mover(points, [r.ci_high for r in rows if r.ci_high is not None], +1)
     best = None
-    if all(d.get("certifiable_pct") is not None for d in rows):
-        best = _mover([100.0] * len(rows), [d["certifiable_pct"] for d in rows], -1)
-    return SuiteRecovery(float(np.mean(points)), low, high, tuple(used), tuple(skipped),
-                         sum(int(d["n"]) for d in rows), best)
+    ends = [r.certifiable_pct for r in rows if r.certifiable_pct is not None]
+    if len(ends) == len(rows):
+        best = _mover([100.0] * len(rows), ends, -1)
+    return SuiteFigure(recovery_pct=float(np.mean(points)), ci_low=low, ci_high=high,
+                       tasks=used, skipped=skipped, items=sum(r.n for r in rows),
+                       certifiable_pct=best)
 
 
 def suite_recovery(pairs: dict[str, tuple[Sequence[float], Sequence[float]]],
-                   chances: dict[str, float]) -> SuiteRecovery:
+                   chances: dict[str, float]) -> SuiteFigure:
     """Mean of the per-task recoveries, from each task's paired scores."""
     return suite_from_tasks({task: recovery(b, v, chances.get(task, 0.0))
                              for task, (b, v) in pairs.items()})

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.core import heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import EvalFailure, RecoverySummary
+from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure
 from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
 from pipeline.eval.lm import EMULATED, SERVED, EvalError, TaskResult, serve_command
@@ -49,7 +49,7 @@ class Scored:
     backend: str = ""
     results: dict[str, TaskResult] = field(default_factory=dict)
     recoveries: dict[str, dict[str, recovery.Recovery]] | None = None
-    figures: dict[str, recovery.SuiteRecovery] | None = None
+    figures: dict[str, SuiteFigure] | None = None
     divergence: divergence.Divergence | None = None
     summary: RecoverySummary | None = None
     failed: EvalFailure | None = None

@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.core import hardware, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import EvalFailure, RecoverySummary, TaskEntry
+from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure, TaskEntry
 from pipeline.core.errors import QpipeError
 from pipeline.core.provenance import content_key
 from pipeline.core.variant import Variant
@@ -55,7 +55,7 @@ def compare(tasks: list[suites.Task], base: dict[str, TaskResult], var: dict[str
 
 def suite_figures(tasks: list[suites.Task],
                   recoveries: dict[str, dict[str, recovery.Recovery]]
-                  ) -> dict[str, recovery.SuiteRecovery]:
+                  ) -> dict[str, SuiteFigure]:
     """Suite -> mean of its tasks' recoveries (primary metric, MOVER interval), and ``*`` for
     all of them when there are several suites."""
     groups: dict[str, list[suites.Task]] = {}
@@ -82,7 +82,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def print_report(model: Variant, backend: str, tasks: list[suites.Task],
                  recoveries: dict[str, dict[str, recovery.Recovery]],
-                 figures: dict[str, recovery.SuiteRecovery],
+                 figures: dict[str, SuiteFigure],
                  div: divergence.Divergence | None) -> None:
     mark = " [emulated: hf backend, de-compressed weights]" if backend == EMULATED else ""
     print(f"\n{model.name} vs baseline, both {backend}{mark}")
@@ -134,7 +134,7 @@ def write_summary(base: baselines.Baseline, model: Variant, backend: str,
             suite=task.suite, backend=backend, primary_metric=primary_key(task, result),
             updated=now, identity=model.identity, baseline_identity=base.identity,
             task_sha=task.sha256, settings=result.settings, command=result.command,
-            recovery={k: r.as_dict() for k, r in recoveries[task.name].items()})
+            recovery=dict(recoveries[task.name]))
     divergence_figures = None
     if div is not None:
         divergence_figures = {**div.as_dict(), "backend": divergence.BACKEND,
@@ -172,7 +172,7 @@ def _scores(tasks: list[suites.Task], results: dict[str, TaskResult]) -> dict[st
 def log_mlflow(base: baselines.Baseline, model: Variant, backend: str, tasks: list[suites.Task],
                results: dict[str, TaskResult],
                recoveries: dict[str, dict[str, recovery.Recovery]] | None,
-               figures: dict[str, recovery.SuiteRecovery] | None,
+               figures: dict[str, SuiteFigure] | None,
                div: divergence.Divergence | None, summary: Path | None,
                settings: EvalSettings) -> str | None:
     """One run per model and backend; skipped when an identical run is recorded."""

@@ -137,11 +137,12 @@ def plot_tasks(comparison: Comparison) -> tuple[str, str]:
     entries = []
     for row in comparison.rows:
         for task, t in sorted(row.tasks.items()):
-            r = t.primary() or {}
-            if r.get("recovery_pct") is not None and r.get("ci_low") is not None:
+            r = t.primary()
+            if r is not None and r.recovery_pct is not None and r.ci_low is not None \
+                    and r.ci_high is not None:
                 mark = " [emulated]" if t.backend == EMULATED else ""
-                entries.append((f"{row.name}: {task}{mark}", r["recovery_pct"], r["ci_low"],
-                                r["ci_high"]))
+                entries.append((f"{row.name}: {task}{mark}", r.recovery_pct, r.ci_low,
+                                r.ci_high))
     fig, ax = plt.subplots(figsize=(6, 0.3 * len(entries) + 1.2))
     for i, (_, y, low, high) in enumerate(entries):
         ax.errorbar([y], [i], xerr=[[y - low], [high - y]], fmt="o", capsize=3)
