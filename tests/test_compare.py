@@ -512,7 +512,7 @@ def test_the_join_reads_only_artifacts_never_the_model_files(workspace: Path) ->
         PlanTarget(gpu="h100-80gb"), "bf16", 128)).metrics())
     assert not (workspace / "gone").exists()
     # `qpipe compare BASELINE=tiny` finds the baseline by its record, resolving nothing
-    from pipeline.campaign import compare as make_compare
+    from pipeline.campaign import compare_recorded as make_compare
     from pipeline.report.settings import CompareSettings
 
     shown = make_compare.run(from_options(CompareSettings, baseline="tiny", track=False,

@@ -87,7 +87,7 @@ def test_compare_and_suite_figure_from_paired_items() -> None:
     rec = eval_summary.compare(tasks, base, var)
     assert rec["app_facts"]["acc,none"].recovery_pct == pytest.approx(75.0)
     assert rec["app_json"]["acc,none"].recovery_pct == pytest.approx(100.0)
-    fig = eval_summary.suite_figures(tasks, rec)["app"]
+    fig = eval_summary.run_suite_figures(tasks, rec)["app"]
     assert fig.recovery_pct == pytest.approx((75 + 75 + 100) / 3)
     assert fig.items == 60 and fig.ci_low < fig.recovery_pct < fig.ci_high
 

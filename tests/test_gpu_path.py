@@ -375,7 +375,7 @@ def test_every_served_score_comes_before_any_model_loaded_in_this_process(
 
     monkeypatch.setattr(scoring, "score", fake_score)
     monkeypatch.setattr(evaluation, "score", fake_score)
-    for name in ("compare", "suite_figures", "print_report", "write_summary", "log_mlflow"):
+    for name in ("compare", "run_suite_figures", "print_report", "write_summary", "log_mlflow"):
         monkeypatch.setattr(evaluation, name, lambda *a, **k: None)
     monkeypatch.setattr(evaluation, "prepare_for", lambda tasks: tasks)
     base = SimpleNamespace(name="tiny", path=Path("/m"), identity="b")

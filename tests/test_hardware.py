@@ -102,7 +102,7 @@ def test_doctor_on_gpus_follows_the_compute_capability() -> None:
 
 def test_native_bf16_decides_whether_float32_is_probed_as_the_reference(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from pipeline.bench import reference
+    from pipeline.bench import reference_dtype as reference
     from pipeline.core.variant import Variant
     from pipeline.serve import EngineSettings
 
@@ -130,7 +130,8 @@ def test_a_probes_decision_is_reused_by_the_next_bench_run_here(
         monkeypatch: pytest.MonkeyPatch, workspace) -> None:
     """The float32-against-bf16 probe costs two servers and a few runs: its decision is kept
     by the baseline, hardware, engine, vLLM and sweep, and reused until FORCE=1."""
-    from pipeline.bench import reference, workloads
+    from pipeline.bench import reference_dtype as reference
+    from pipeline.bench import workloads
     from pipeline.core.artifacts import PointFigures
     from pipeline.core.speedup import FASTER, Speedup
     from pipeline.core.variant import Variant

@@ -13,7 +13,7 @@ import dataclasses
 import time
 from datetime import datetime, timezone
 
-from pipeline.bench import reference, slo
+from pipeline.bench import slo
 from pipeline.bench import workloads as workloads_mod
 from pipeline.bench.client import BenchClient
 from pipeline.bench.measure import (
@@ -65,7 +65,7 @@ def bench(base: baselines.Baseline, recipes: list[str] | None, loads: list[Workl
 
     With a ``pool``, the servers of the speed sweeps (prefix caching off) stay up in it for
     the next stage. ``reference_dtype``: the baseline's dtype every speedup is against
-    (``auto``: :mod:`pipeline.bench.reference` chooses).
+    (``auto``: :mod:`pipeline.bench.reference_dtype` chooses).
     """
     target = target or hardware.serve_target()
     settings = settings.resolved(target)  # eager on CPUs, compiled on GPUs: recorded as such
@@ -118,7 +118,7 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
         # one benchmark client for every pass, importing vLLM while the first servers load
         client = stack.enter_context(BenchClient(
             server_environment(settings, target), logs / "bench-client.log"))
-        chosen = reference.choose(models[0], loads, settings, tmp, logs, target,
+        chosen = reference_dtype.choose(models[0], loads, settings, tmp, logs, target,
                                   reference_dtype, force, client)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
         cold_models = [m for m in models if any(s.runs_on(m.name) for s in cold)

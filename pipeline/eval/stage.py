@@ -28,7 +28,7 @@ from pipeline.eval.summary import (
     compare,
     log_mlflow,
     print_report,
-    suite_figures,
+    run_suite_figures,
     write_failure,
     write_summary,
 )
@@ -159,7 +159,7 @@ def evaluate(base: baselines.Baseline, variants: list[Variant], tasks: list[suit
     for model in variants:
         backend, results = scored[model.name]
         recoveries = compare(tasks, base_results[backend], results)
-        figures = suite_figures(tasks, recoveries)
+        figures = run_suite_figures(tasks, recoveries)
         div = divs.get(model.path)
         print_report(model, backend, tasks, recoveries, figures, div)
         summary = write_summary(base, model, backend, tasks, recoveries, results, div)

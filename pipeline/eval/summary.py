@@ -53,11 +53,13 @@ def compare(tasks: list[suites.Task], base: dict[str, TaskResult], var: dict[str
     return out
 
 
-def suite_figures(tasks: list[suites.Task],
-                  recoveries: dict[str, dict[str, recovery.Recovery]]
-                  ) -> dict[str, SuiteFigure]:
-    """Suite -> mean of its tasks' recoveries (primary metric, MOVER interval), and ``*`` for
-    all of them when there are several suites."""
+def run_suite_figures(tasks: list[suites.Task],
+                      recoveries: dict[str, dict[str, recovery.Recovery]]
+                      ) -> dict[str, SuiteFigure]:
+    """This eval run's figures, as it prints and logs them: suite -> mean of its tasks'
+    recoveries (primary metric, MOVER interval), and ``*`` for all of them when there are
+    several suites. (What the gate and the report judge is :func:`pipeline.eval.gate.
+    suite_figures`, over the recorded entries still current.)"""
     groups: dict[str, list[suites.Task]] = {}
     for task in tasks:
         groups.setdefault(task.suite, []).append(task)

@@ -1,5 +1,5 @@
 """The comparison published: the join, the report files and the MLflow runs (the last step of
-``make all``, and ``make compare`` alone: pipeline/campaign/compare.py)."""
+``make all``, and ``make compare`` alone: pipeline/campaign/compare_recorded.py)."""
 
 from __future__ import annotations
 

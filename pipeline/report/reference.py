@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.bench.reference import FLOAT32
+from pipeline.bench.reference_dtype import FLOAT32
 from pipeline.core.artifacts import (
     BenchSummary,
     Capacity,
