@@ -118,7 +118,8 @@ FORMATS: dict[str, Format] = {f.key: f for f in (
     Format("fp8-block", "FP8 W8A8 block-wise (128x128 weight blocks)", ("float-quantized",),
            "float", 8, 8, strategies=("block",), scale_bytes=4, block=(128, 128),
            weights="fp8-block", cpu_needs=("amx_tile",),
-           cpu_why="vLLM CPU's block-FP8 path needs AMX",
+           cpu_why="vLLM CPU's block-FP8 kernels \"require AMX tile support (Sapphire Rapids "
+                   "or newer)\"; W8A8 only with AMX-FP8, else W8A16 (activations bf16)",
            cuda_native=8.9, cuda_degraded=8.0,
            cuda_why="CUTLASS / DeepGEMM block FP8 from 8.9 (Hopper), Marlin W8A16 from 8.0",
            served_on="NVIDIA Hopper and Blackwell GPUs (block FP8 as DeepSeek ships it)"),
