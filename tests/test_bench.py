@@ -328,7 +328,7 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     variant = runs["bench:int4"].data
     assert variant.params[tracking.PARAM_RECIPE] == "int4"
     assert runs["bench:baseline"].data.params[tracking.PARAM_RECIPE] == "none"
-    assert variant.metrics[tracking.SPEEDUP] == pytest.approx(int4[tracking.SPEEDUP])
+    assert variant.metrics[tracking.SPEEDUP] == pytest.approx(int4.point)
     assert variant.metrics["prefix_cache_hit_tokens"] == 0  # logged: the sweep was cold
     assert variant.params["speedup_pairing"].startswith("interleaved")
     assert runs["bench:baseline"].data.metrics["tinyprefix.prefix_cache_hit_rate"] > 0.2
@@ -346,7 +346,8 @@ def test_bench_measures_baseline_and_variant_through_vllm(
     assert tracking.SLO_ATTAINMENT not in variant.metrics  # censored: no knee fitted there
     headline = client.get_metric_history(runs["bench:int4"].info.run_id,
                                          tracking.OUTPUT_TOKENS_PER_S)
-    assert [m.value for m in headline] == [pytest.approx(int4[tracking.OUTPUT_TOKENS_PER_S])]
+    assert [m.value for m in headline] == [pytest.approx(summary.models["int4"].workloads[
+        "tiny"].points[2].metrics[tracking.OUTPUT_TOKENS_PER_S])]
 
     # Nothing changed: the measurement is reused, not repeated, and not logged twice.
     started = _count_starts(monkeypatch)

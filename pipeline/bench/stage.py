@@ -26,6 +26,7 @@ from pipeline.bench.measure import (
     steps_for,
     stop_all,
 )
+from pipeline.bench.reference_dtype import choose as choose_reference
 from pipeline.bench.settings import BenchSettings
 from pipeline.bench.summary import STAGE, log_runs, pairing, summarize
 from pipeline.bench.table import format_table
@@ -118,7 +119,7 @@ def _measure_all(base: baselines.Baseline, models: list[Variant], loads: list[Wo
         # one benchmark client for every pass, importing vLLM while the first servers load
         client = stack.enter_context(BenchClient(
             server_environment(settings, target), logs / "bench-client.log"))
-        chosen = reference_dtype.choose(models[0], loads, settings, tmp, logs, target,
+        chosen = choose_reference(models[0], loads, settings, tmp, logs, target,
                                   reference_dtype, force, client)
         dtypes = {BASELINE: chosen["dtype"]} if chosen["dtype"] != settings.dtype else None
         cold_models = [m for m in models if any(s.runs_on(m.name) for s in cold)
