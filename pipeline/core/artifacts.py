@@ -576,9 +576,6 @@ class Recovery:
     above_chance_pct: float | None = None  # (variant - chance) / (baseline - chance), where
     # the task has a chance level
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 class TaskEntry(BaseModel):
     """One task scored on one variant, with what it was scored on."""
