@@ -39,7 +39,11 @@ def search_with(curve: Callable[[int], float], requests: int = 24,
 @pytest.mark.parametrize("knee", [1, 3, 7, 12, 20, 31])
 def test_a_sharp_knee_is_bracketed_then_refined_to_one_user(knee):
     found, visited = search_with(step_curve(knee), ceiling=32)
-    assert (found["capacity"], found["capacity_low"], found["capacity_high"]) == (knee,) * 3
+    assert (found["capacity"], found["capacity_high"]) == (knee, knee)
+    # every run perfect or empty says nothing of how much runs vary: under a spread of 4
+    # log-odds, four perfect runs of 24 requests are chance at a long-run 90%; the perfect
+    # runs of a longer bracket make that spread unlikely
+    assert found["capacity_low"] == (knee if knee >= 7 else 0)
     assert found["outcome"] == "estimated" and not found["censored"] and found["knee"] is None
     # bracket, a grid, a grid between the two loads it falls between: not a sweep of 1..32
     assert len(set(visited)) <= 13

@@ -13,8 +13,10 @@ fleet's long-run share at that load (population-averaged), not one run's.
 
 The knee is where the fitted share equals the target; its interval is Fieller's for that ratio
 of estimates (a slope near zero makes it wide, or unbounded, rather than wrong), with Student's
-t at the runs' degrees of freedom. Its coverage is measured, not assumed: ``make calibrate``
-draws searches on known curves and counts how often the interval holds the truth.
+t at the runs' degrees of freedom, kept with the fit. Over the two loads a search fits it
+on, that interval is open more often than not at four runs a load, so the capacity's interval
+is not this one but what each load's runs show (:mod:`pipeline.bench.run_effects`, used by
+:mod:`pipeline.bench.slo`); ``make calibrate`` measures its coverage.
 """
 
 from __future__ import annotations

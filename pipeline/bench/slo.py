@@ -15,8 +15,11 @@ five loads over the bracket, runs each up to ``repeats`` times, extends the grid
 the knee turns out to lie beyond (two runs are few: a bracket's ends fall on the wrong side of
 the target by chance), lays a finer grid between the two loads the curve crosses between, and
 fits the knee over the two it then crosses between (:mod:`pipeline.bench.knee`): the
-capacity is the largest whole load at or below it, with a 90% interval whose coverage
-``make calibrate`` measures. The ceiling alone decides "censored" (shown
+capacity is the largest whole load at or below it (kept between those two loads). Its 90%
+interval is what every load's runs show, runs varying by a random run effect
+(:mod:`pipeline.bench.run_effects`): from the largest load shown to meet the target to one below
+the smallest shown to miss it, the search adding a load beyond an end none yet shows; its
+coverage ``make calibrate`` measures. The ceiling alone decides "censored" (shown
 to meet there) or "undecided at the ceiling"; the first load alone "misses at the first load".
 It assumes attainment falls with load, as it does for a continuously batching engine once the
 machine is busy; every load visited is kept, so a non-monotone curve is visible in the figures.
@@ -34,12 +37,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.bench import knee
+from pipeline.bench import knee, run_effects
 from pipeline.bench.knee import LEVEL, KneeFit
 from pipeline.core.artifacts import CENSORED, ESTIMATED, UNDECIDED_CEILING
 from pipeline.core.shares import share_bounds, t_quantile
 
 ALPHA = 0.05  # a point shown to meet (the ceiling) or miss (the first load): one side's error
+# each end of the capacity interval: a load shown to meet (or miss) by the random-run-effect
+# test at this one-sided level. Not (1 - LEVEL) / 2: the likelihood-ratio test on a search's
+# 30-40 runs is liberal, and an end is the most extreme of several loads' tests; at 5% a side
+# the interval missed the truth in up to 15% of simulated searches against 10% (make calibrate)
+END_ALPHA = 0.025
 MIN_RUNS = 2  # full runs per load while bracketing (and the pilot runs)
 GRID = 4  # the grid divides the bracket into this many steps (5 loads)
 SHARP = 6.0  # a fitted fall of this many log-odds between neighbouring loads: a sharp knee
@@ -49,8 +57,9 @@ COUNTED = "requests past each closed-loop run's start-up wave"
 # how a point is judged; in a capacity search's cache key likewise
 RULE = ("bracket by doubling on each load's share, a grid of 5 loads in the bracket extended "
         "past an end the knee lies beyond, a finer grid where the falling share crosses, the "
-        "knee of a quasi-binomial logistic fit over the two loads it crosses between, with "
-        "Fieller's 90% interval")
+        "knee of a quasi-binomial logistic fit over the two loads it crosses between; the "
+        "interval from the loads a random-run-effect test shows to meet or miss at 2.5% a "
+        "side, loads added beyond an end none shows")
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # what `vllm bench serve --goodput` accepts
@@ -258,8 +267,10 @@ class CapacitySearch:
     ``bracket_step`` levels), up to ``ceiling``. Grid: the last load that reached it and the
     first that did not, and ``grid - 1`` loads evenly between them, each run up to ``max_runs``
     times, one run per load in turn; then more loads (:meth:`_advance`) past an end the knee
-    lies beyond and between the two loads it crosses between. Estimate: the knee fitted over
-    the two loads it then crosses between (:meth:`_window`, :mod:`pipeline.bench.knee`).
+    lies beyond and between the two loads it crosses between, and beyond an end of the interval
+    that no load yet shows (:meth:`_close`). Estimate: the knee fitted over the two loads it
+    then crosses between (:meth:`_window`, :mod:`pipeline.bench.knee`); interval:
+    :meth:`_shown`.
     ``pilot``: the first load's first two runs count only this many requests each, so that a
     model that misses everything even there is known in seconds; they are never pooled with
     full runs."""
@@ -284,6 +295,7 @@ class CapacitySearch:
         self._step = 1  # how far the grid is extended beyond its ends (doubles each time)
         self._local = False  # whether the grid between the two loads crossed has been run
         self._bracket: tuple[int, int] | None = None
+        self._verdicts: dict[tuple, dict[int, int]] = {}  # run_effects.shown, per runs seen
         self._phase = "bracket"  # bracket | ceiling | first | grid | done
         self.outcome = ""  # how it ended, in words (result()["outcome"])
 
@@ -410,8 +422,8 @@ class CapacitySearch:
         the knee, then flat near zero) and the loads away from the knee pull the crossing
         (``make calibrate`` on such a curve: the interval missed the truth in 29-39% of 200
         searches over the whole grid, in 14.9% of 1,000 with one load either side, against
-        10%). Over two loads the slope is often not resolved at 90%: the interval is then open,
-        never wrong (more ``repeats`` close it)."""
+        10%). The interval is not the fit's: over two loads the slope is often not resolved
+        at 90% (:meth:`_shown`)."""
         above, below = self._crossing()
         return [c for c in sorted(self._falling()) if c in (above, below)]
 
@@ -444,13 +456,27 @@ class CapacitySearch:
             self._step *= 2
             return True
         above, below = self._crossing()
-        if below - above <= 1:
-            return False
-        if not self._local or self._sharp(self.estimate()):
+        if below - above > 1 and (not self._local or self._sharp(self.estimate())):
             self._local = True
             self._add(self._between(above, below))
             return True
-        return False
+        return self._close()
+
+    def _close(self) -> bool:
+        """More loads while an end of the interval is open (no load past the crossing shown
+        to miss, or none before it shown to meet): one grid step beyond that end of the grid,
+        doubling each time, up to the ceiling or down to one user."""
+        low, high = self._shown()
+        top, bottom = max(self._grid), min(self._grid)
+        if high is None and top < self.ceiling:
+            self._add({min(self.ceiling, top + self._step)})
+        elif low == 0 and bottom > 1:
+            self._add({max(1, bottom - self._step)})
+        else:
+            return False
+        self._step *= 2
+        return True
+
     @property
     def bracket(self) -> tuple[int, int] | None:
         """(the last load whose bracketing runs reached the target, the first that did not)."""
@@ -506,14 +532,19 @@ class CapacitySearch:
         return above, low, high, None
 
     def _shown(self) -> tuple[int, int | None]:
-        """The interval each load alone shows, the curve falling: from the largest grid load
+        """The interval each load's runs show, the curve falling: from the largest grid load
         at or below the crossing shown to meet the target to the one below the smallest at or
-        past it shown to miss (None: none shown to miss), each at one side's level."""
+        past it shown to miss (None: none shown to miss; 0: none shown to meet), each by the
+        random-run-effect test (:mod:`pipeline.bench.run_effects`) at ``END_ALPHA``."""
         above, below = self._crossing()
-        side = (1 - self.level) / 2
         run = sorted(c for c in self._grid if self.points[c].runs)
-        met = [c for c in run if c <= above and self.points[c].bounds(side)[0] >= self.target]
-        missed = [c for c in run if c >= below and self.points[c].bounds(side)[1] < self.target]
+        key = tuple((c, tuple(self.points[c].per_run)) for c in sorted(self.points))
+        if key not in self._verdicts:
+            runs = {c: p.per_run for c, p in self.points.items() if p.runs}
+            self._verdicts[key] = run_effects.shown(runs, self.target, END_ALPHA)[0]
+        verdicts = self._verdicts[key]
+        met = [c for c in run if c <= above and verdicts.get(c, 0) > 0]
+        missed = [c for c in run if c >= below and verdicts.get(c, 0) < 0]
         return max(met, default=0), min(missed) - 1 if missed else None
 
     def _capacity(self, fitted: KneeFit | None
@@ -531,6 +562,6 @@ class CapacitySearch:
             return self.ceiling, None, None, None
         if fitted is None:  # still bracketing (a search cut short): what it reached so far
             return self._met, None, None, None
-        low = whole(fitted.low) if fitted.low is not None else None
-        high = whole(fitted.high) if fitted.high is not None else None
-        return whole(fitted.knee), low, high, fitted.knee
+        above, below = self._crossing()
+        low, high = self._shown()
+        return min(max(whole(fitted.knee), above), below - 1), low, high, fitted.knee

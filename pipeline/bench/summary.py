@@ -286,8 +286,9 @@ def limited_by(found: dict, points: dict[int, PointFigures], workload: Workload,
     return (f"latency (compute), not the KV cache: at {workload.load_text(miss or 0)} "
             + (", ".join(parts) if parts else "the objective is missed")
             + (f"; the KV cache holds {holds} such requests" if holds is not None else "")
-            + ("; the interval is open: the two loads it falls between do not show the fall "
-               "at 90% (raise repeats, REPEATS=)" if opened else ""))
+            + ("; the interval is open: no load up to the ceiling is shown to miss, or none "
+               "down to one user to meet (raise repeats, REPEATS=, or search_ceiling)"
+               if opened else ""))
 
 
 def _latency_key(metric: str, percentile: int) -> str:

@@ -109,8 +109,9 @@ def _capacity_lines(summary: BenchSummary, workload: Workload) -> list[str]:
     lines = [f"\n{workload.name}: {searched_how}; then a grid of 5 loads over the bracket, "
              f"up to {workload.repeats} runs each, extended past an end the knee lies beyond "
              "and finer where the share crosses; the knee of a quasi-binomial logistic fit "
-             "over the two loads it crosses between, [90% interval] by Fieller (? : open, "
-             "more runs close it), coverage measured by make calibrate; cold, distinct "
+             "over the two loads it crosses between, [90% interval] from the loads shown to "
+             "meet and to miss with a random run effect (? : open), coverage measured by "
+             "make calibrate; cold, distinct "
              f"prompts{wave})"]
     for name, entry in summary.models.items():
         data = entry.workloads.get(workload.name)
