@@ -45,3 +45,25 @@ def test_dense_model_has_no_quantized_layers(tmp_path: Path) -> None:
     size = checkpoint.measure(base)
     assert size.format == "dense" and size.quantized_layers == 0
     assert size.quantized_layer_ratio is None and size.weight_bytes == 128
+
+
+def test_block_scales_that_do_not_tile_a_layer_are_named(tmp_path: Path) -> None:
+    block = {"format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": [128, 128]}}}}
+    fp8 = torch.float8_e4m3fn
+    variant = _model_dir(tmp_path / "block", {
+        "a.weight": torch.zeros(576, 576, dtype=fp8),  # SmolLM2's widths: 4.5 blocks
+        "a.weight_scale": torch.zeros(5, 5),
+        "b.weight": torch.zeros(256, 128, dtype=fp8),  # whole blocks
+        "b.weight_scale": torch.zeros(2, 1),
+        "c.weight": torch.zeros(64, 100, dtype=fp8),  # a scale per channel, not blocks
+        "c.weight_scale": torch.zeros(64, 1),
+    }, block)
+    assert checkpoint.partial_blocks(variant) == ["a (576 x 576)"]
+    channel = _model_dir(tmp_path / "channel", {"a.weight": torch.zeros(576, 576, dtype=fp8),
+                                                 "a.weight_scale": torch.zeros(5, 5)},
+                         {"format": "float-quantized", "config_groups": {"group_0": {
+                             "weights": {"num_bits": 8, "type": "float",
+                                         "strategy": "channel"}}}})
+    assert checkpoint.partial_blocks(channel) == []

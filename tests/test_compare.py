@@ -556,3 +556,29 @@ def test_a_capacity_from_another_run_is_priced_on_the_devices_that_run_used() ->
     assert figures.usd_per_million_output_tokens_max == pytest.approx(
         cost.per_million_tokens(12.0, 250.0))
     assert cost.capacity_price(row, speed_price) == row.capacity.price
+
+
+def test_a_variant_no_backend_here_can_score_is_unsupported_not_a_failure(
+        workspace: Path) -> None:
+    from pipeline.core.artifacts import BaselineRecord, EvalFailure, Manifest, RecipeInfo
+    from pipeline.core.formats import Identified
+
+    config = json.loads((Path(__file__).parents[1] / "configs/models/smollm2-135m/config.json")
+                        .read_text())
+    BaselineRecord(name="Tiny", directory=str(workspace / "gone"), identity="B", specs=["tiny"],
+                   weight_bytes=269_000_000, config=config).write(BaselineRecord.path_of("Tiny"))
+    for name, key in (("fp8-block", "fp8-block"), ("fp8", "fp8")):
+        Manifest(cache_key=name, baseline={"identity": "B"}, format="float-quantized",
+                 recipe=RecipeInfo(name=name, scheme="FP8", recovery_threshold_pct=97),
+                 checkpoint_bytes=170_000_000, weight_bytes=163_000_000, kv_dtype="bf16",
+                 weights=Identified(key=key)).write(Manifest.path("Tiny", name))
+    EvalFailure(identity="fp8-block", reason="compressed-tensors cannot de-compress it",
+                status="unsupported").write(EvalFailure.path("Tiny", "fp8-block"))
+    EvalFailure(identity="fp8", reason="lm-eval crashed").write(EvalFailure.path("Tiny", "fp8"))
+    comparison = compare.collect(BaselineRecord.find("tiny").baseline(),
+                                 target=PlanTarget(gpu="h100-80gb"))
+    rows = {r.name: r for r in comparison.rows}
+    assert rows["fp8-block"].gate_status == "unsupported"
+    assert any("cannot de-compress" in n for n in rows["fp8-block"].notes)
+    # the campaign exits 1 on failures only: the crash is one, the format's limit is not
+    assert [(f.variant, f.stage) for f in comparison.failures] == [("fp8", "eval")]

@@ -267,3 +267,41 @@ def test_served_end_to_end_through_vllm(workspace: Path, tiny_model: Path) -> No
     assert agree >= 4  # bf16 rounding may flip a near-tie
     (run,) = [r for r in _runs(workspace, base.name) if r.data.params["recipe"] == "fp8"]
     assert run.data.tags[tracking.TAG_EVAL_BACKEND] == "served"
+
+
+def _block_checkpoint(path: Path, out: int, width: int) -> Path:
+    """A config.json and safetensors header of an FP8 block-wise checkpoint, one layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"quantization_config": {
+        "format": "float-quantized", "config_groups": {"group_0": {"targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                        "block_structure": [128, 128]}}}}}))
+    save_file({"q.weight": torch.zeros(out, width, dtype=torch.float8_e4m3fn),
+               "q.weight_scale": torch.zeros(-(-out // 128), -(-width // 128))},
+              str(path / "model.safetensors"))
+    return path
+
+
+def test_a_checkpoint_compressed_tensors_cannot_decompress_is_unsupported_not_failed(
+        workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM refused it and compressed-tensors cannot de-compress its partial blocks: no backend
+    here scores it, which is the format's limit on this model, recorded as unsupported."""
+    words = "unflatten: Provided sizes [5, 128] don't multiply up to the size of dim 2 (576)"
+
+    def refuse(path: Path) -> None:
+        raise RuntimeError(words)
+    monkeypatch.setattr(lm.divergence, "load_model", refuse)
+    partial = Variant("fp8-block", _block_checkpoint(workspace / "partial", 576, 576), "I1")
+    with pytest.raises(lm.NotDecompressible) as err, \
+            lm.open_lm(partial, lm.EMULATED, EvalSettings(), workspace):
+        pass
+    assert words in str(err.value) and "q (576 x 576)" in str(err.value)
+    assert eval_summary.write_failure("Tiny", partial, err.value).status == "unsupported"
+    # whole blocks: the library's error is a failure, raised as it is
+    whole = Variant("fp8-block", _block_checkpoint(workspace / "whole", 256, 128), "I2")
+    with pytest.raises(RuntimeError, match="unflatten"), \
+            lm.open_lm(whole, lm.EMULATED, EvalSettings(), workspace):
+        pass

@@ -122,3 +122,23 @@ def test_a_recipe_that_starts_from_another_may_only_add_a_kv_cache_scheme(
           name="int8.yaml")
     with pytest.raises(RecipeError, match="already quantizes the KV cache"):
         recipes.load(str(write(tmp_path, text)))
+
+
+def test_a_block_recipe_names_the_layers_its_blocks_do_not_tile(capsys) -> None:
+    """SmolLM2's 576-wide layers are 4.5 blocks of 128: quantized, but said before, with the
+    way out, since vLLM and compressed-tensors then refuse the checkpoint."""
+    import torch
+
+    from pipeline.quantize import stage as quantize
+
+    model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(576, 576),
+                                 "up_proj": torch.nn.Linear(128, 256),
+                                 "lm_head": torch.nn.Linear(576, 1000)})
+    path = paths.RECIPES_DIR / "fp8-block.yaml"
+    untiled = quantize.warn_partial_blocks(model, recipes.instantiate(recipes.load("fp8-block")),
+                                           path)
+    assert untiled == ["q_proj (576 x 576)"]  # lm_head is ignored by the recipe
+    said = capsys.readouterr().out
+    assert "fp8 (a scale per channel)" in said and "q_proj (576 x 576)" in said
+    assert quantize.warn_partial_blocks(model, recipes.instantiate(recipes.load("fp8")),
+                                        path) == []

@@ -611,13 +611,15 @@ class RecoverySummary(Artifact):
 
 
 class EvalFailure(Artifact):
-    """Beside recovery.json while a variant's last scoring failed."""
+    """Beside recovery.json while a variant's last scoring failed, or no backend here can
+    score it (``unsupported``: vLLM refused it and it cannot be de-compressed)."""
 
     FILE: ClassVar[str] = "eval_failure.json"
     DIR: ClassVar[str] = "evals"  # beside recovery.json
     identity: str
     reason: str
     stage: str = "eval"
+    status: str = "failed"  # failed | UNSUPPORTED (a limit of the format here, not a failure)
     hardware: str = ""
     when: str = ""
 
@@ -625,6 +627,7 @@ class EvalFailure(Artifact):
 
 # --- report -------------------------------------------------------------------------------------
 NOT_EVALUATED = "not evaluated"
+UNSUPPORTED = "unsupported"  # a limit of the format here (serving, or scoring: EvalFailure.status)
 
 
 class PlanTarget(BaseModel):

@@ -26,6 +26,7 @@ from pipeline.core.fsutil import atomic_dir, read_json, write_json_atomic
 from pipeline.core.variant import Variant
 from pipeline.eval import divergence, suites
 from pipeline.eval.settings import SEEDS, EvalSettings
+from pipeline.quantize.checkpoint import partial_blocks
 from pipeline.serve.server import VllmServer, serve_target
 from pipeline.serve.settings import EngineSettings
 
@@ -44,6 +45,27 @@ CHANCE_METRICS = {"acc", "acc_norm", "acc_mutual_info"}  # 1/choices for multipl
 
 class EvalError(QpipeError):
     """lm-eval failed on a task."""
+
+
+class NotDecompressible(EvalError):
+    """The checkpoint cannot be scored emulated: compressed-tensors cannot de-compress it for
+    transformers. A limit of the format on this model (as vLLM's refusal is), not a failure."""
+
+
+def not_decompressible(model: Variant, err: BaseException) -> NotDecompressible | None:
+    """The error to raise where loading ``model`` for emulated scoring failed because its
+    block-wise scales do not tile its layers (None: some other failure)."""
+    layers = partial_blocks(model.path) if (model.path / "config.json").is_file() else []
+    if not layers:
+        return None
+    words = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return NotDecompressible(
+        f"{model.name} ({model.path}) cannot be scored emulated either: compressed-tensors "
+        f"cannot de-compress it for lm-eval's hf backend ({type(err).__name__}: {words}). Its "
+        f"block-wise weight scales do not tile {len(layers)} layer(s), e.g. {layers[0]}: "
+        "llmcompressor scales a layer's last, partial block as a block of its own. A block "
+        "format needs every quantized layer's widths in whole blocks; on this model it is "
+        "unsupported (fp8, a scale per channel, fits any width).")
 
 
 def request_errors() -> tuple[type[BaseException], ...]:
@@ -288,7 +310,14 @@ def open_lm(model: Variant, backend: str, settings: EvalSettings, log_dir: Path,
     else:
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=divergence.load_model(model.path), tokenizer=str(model.path),
+        try:
+            pretrained = divergence.load_model(model.path)
+        except Exception as err:
+            interrupts.check()
+            if (unscoreable := not_decompressible(model, err)) is not None:
+                raise unscoreable from err
+            raise
+        lm = HFLM(pretrained=pretrained, tokenizer=str(model.path),
                   batch_size=settings.batch_size, device=hardware.torch_device())
         try:
             yield lm, None, None

@@ -20,7 +20,14 @@ from pipeline.core import log as qlog
 from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure
 from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
-from pipeline.eval.lm import EMULATED, SERVED, EvalError, TaskResult, serve_command
+from pipeline.eval.lm import (
+    EMULATED,
+    SERVED,
+    EvalError,
+    NotDecompressible,
+    TaskResult,
+    serve_command,
+)
 from pipeline.eval.prepare import prepare_for
 from pipeline.eval.score import cache_root, score, score_emulated, score_variant
 from pipeline.eval.settings import EvalSettings
@@ -107,6 +114,9 @@ def _one_of_many(base: baselines.Baseline, model: Variant, report: dict[str, Sco
     """One variant's failure is recorded in ``report``; the others go on."""
     try:
         yield
+    except NotDecompressible as err:
+        log.warning(f"{model.name}: unsupported here, the other variants go on: {err}")
+        report[model.name] = Scored(failed=write_failure(base.name, model, err))
     except (EvalError, ServeError) as err:
         log.warning(f"{model.name}: FAILED, the other variants go on: {err}")
         report[model.name] = Scored(failed=write_failure(base.name, model, err))
@@ -189,5 +199,7 @@ def run(settings: EvalSettings, pool: ServerPool | None = None) -> dict[str, Sco
 
 
 def failures(report: dict[str, Scored]) -> dict[str, str]:
-    """variant -> why, for the variants whose scoring failed."""
-    return {name: r.failed.reason for name, r in report.items() if r.failed}
+    """variant -> why, for the variants whose scoring failed (not those no backend here
+    can score: unsupported)."""
+    return {name: r.failed.reason for name, r in report.items()
+            if r.failed and r.failed.status == "failed"}

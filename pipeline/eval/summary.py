@@ -19,7 +19,7 @@ from pipeline.core.errors import QpipeError
 from pipeline.core.provenance import content_key
 from pipeline.core.variant import Variant
 from pipeline.eval import divergence, recovery, suites
-from pipeline.eval.lm import EMULATED, SERVED, TaskResult, primary_key
+from pipeline.eval.lm import EMULATED, SERVED, NotDecompressible, TaskResult, primary_key
 from pipeline.eval.settings import SEEDS, EvalSettings
 from pipeline.quantize import baseline as baselines
 
@@ -153,6 +153,7 @@ def write_summary(base: baselines.Baseline, model: Variant, backend: str,
 def write_failure(base_name: str, model: Variant, err: QpipeError) -> EvalFailure:
     """Record that scoring ``model`` failed; compare and gate show it, the rest go on."""
     failure = EvalFailure(identity=model.identity, reason=str(err), stage=STAGE,
+                          status="unsupported" if isinstance(err, NotDecompressible) else "failed",
                           hardware=hardware.profile().describe(),
                           when=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     failure.write(EvalFailure.path(base_name, model.name))

@@ -96,6 +96,34 @@ def measure(model_dir: Path, baseline_dir: Path | None = None) -> CheckpointSize
     )
 
 
+def partial_blocks(model_dir: Path) -> list[str]:
+    """The layers of a block-quantized checkpoint whose weights are not whole blocks, as
+    ``name (out x in)``, read from the headers: llmcompressor scales a layer's last, partial
+    block as a block of its own, which vLLM refuses to serve ("not divisible by weight
+    quantization block_n") and compressed-tensors cannot de-compress along a layer's input.
+    Empty for any other checkpoint."""
+    config = json.loads((model_dir / "config.json").read_text())
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    blocks = {tuple(w["block_structure"]) for g in (qc.get("config_groups") or {}).values()
+              if (w := g.get("weights") or {}).get("strategy") == "block"
+              and w.get("block_structure")}
+    if len(blocks) != 1:  # none; or several, which a layer's scales cannot be told apart by
+        return []
+    rows, cols = blocks.pop()
+    found = tensors(model_dir)
+    out = []
+    for name, scale in found.items():
+        layer = name.removesuffix(".weight_scale")
+        weight = found.get(f"{layer}.weight")
+        if layer == name or weight is None or len(weight.shape) != 2:
+            continue
+        out_features, in_features = weight.shape
+        blocked = scale.shape == (math.ceil(out_features / rows), math.ceil(in_features / cols))
+        if blocked and (out_features % rows or in_features % cols):
+            out.append(f"{layer} ({out_features} x {in_features})")
+    return sorted(out)
+
+
 def checkpoint_kv_dtype(config: dict[str, Any]) -> str | None:
     """The KV-cache dtype a compressed-tensors checkpoint makes vLLM use (its
     ``kv_cache_scheme``: vLLM stores the cache in FP8 unless ``--kv-cache-dtype`` says

@@ -109,6 +109,41 @@ def check_group_sizes(model: Any, llm_recipe: Any, recipe_path: Path) -> None:
                 )
 
 
+def warn_partial_blocks(model: Any, llm_recipe: Any, recipe_path: Path) -> list[str]:
+    """Say, before quantizing, which targeted layers a block-wise scheme's blocks do not tile
+    (``name (out x in)``): llmcompressor quantizes them, scaling a layer's last, partial block
+    as a block of its own, but vLLM refuses to serve such a checkpoint, and compressed-tensors
+    cannot de-compress partial blocks along a layer's input. Not an error: the checkpoint's
+    size is still measured, and bench and eval name what refuses it."""
+    from compressed_tensors.utils import match_named_modules
+
+    untiled: list[str] = []
+    for modifier in llm_recipe.modifiers:
+        if not hasattr(modifier, "resolve_quantization_config"):
+            continue
+        config = modifier.resolve_quantization_config()
+        for scheme in config.config_groups.values():
+            weights = scheme.weights
+            if weights is None or weights.strategy != "block" or not weights.block_structure:
+                continue
+            rows, cols = weights.block_structure
+            untiled += [f"{name} ({m.out_features} x {m.in_features})" for name, m in
+                        match_named_modules(model, scheme.targets, config.ignore)
+                        if hasattr(m, "in_features")
+                        and (m.out_features % rows or m.in_features % cols)]
+            if untiled:
+                log.warning(
+                    f"{recipe_path}: {rows}x{cols} weight blocks do not tile {len(untiled)} "
+                    f"targeted layer(s), e.g. {untiled[0]}. llmcompressor quantizes them (the "
+                    "last, partial block scaled as a block of its own), but vLLM refuses to "
+                    "serve such a checkpoint and compressed-tensors cannot de-compress partial "
+                    "blocks along a layer's input: bench reports it unsupported on this model, "
+                    "and eval too where it cannot be de-compressed. A block format is for "
+                    "models whose layer widths are whole blocks; fp8 (a scale per channel) "
+                    "fits any width.")
+    return untiled
+
+
 def quantize(base: baselines.Baseline, recipe: recipes.RecipeFile, force: bool = False
              ) -> Manifest:
     """Produce (or reuse) the variant of ``base`` made by ``recipe``; returns its manifest."""
@@ -233,6 +268,7 @@ def _run_oneshot(base: baselines.Baseline, recipe: recipes.RecipeFile, out: Path
     work_dtype = _work_dtype(base)
     model = AutoModelForCausalLM.from_pretrained(base.path, dtype=work_dtype)
     check_group_sizes(model, llm_recipe, recipe.path)
+    warn_partial_blocks(model, llm_recipe, recipe.path)
     with _llmcompressor_errors(base, recipe), _one_thread():
         oneshot(model=model, processor=tokenizer, recipe=str(recipe.path),
                 **_data_args(recipe, tokenizer))

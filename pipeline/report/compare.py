@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pipeline.core import hardware
 from pipeline.core.artifacts import (
+    UNSUPPORTED,
     Baseline,
     BaselineRecord,
     BenchSummary,
@@ -182,7 +183,11 @@ def collect(base: Baseline, recipes: list[str] | None = None,
             continue
         eval_failed = EvalFailure.load(base.name, row.name)
         evaluated = RecoverySummary.load(base.name, row.name)
-        if eval_failed is not None and eval_failed.identity == identities[row.name]:
+        if eval_failed is not None and eval_failed.identity == identities[row.name] \
+                and eval_failed.status == UNSUPPORTED:
+            row.gate_status, row.gate_reason = UNSUPPORTED, eval_failed.reason
+            row.notes.append(f"accuracy unsupported here: {eval_failed.reason}")
+        elif eval_failed is not None and eval_failed.identity == identities[row.name]:
             row.gate_reason = f"its last evaluation failed: {eval_failed.reason}"
             failed.append(Failure(variant=row.name, stage="eval", reason=eval_failed.reason))
         elif evaluated is not None:
