@@ -577,11 +577,16 @@ def search_capacity(client: BenchClient, live: dict[str, VllmServer],
                 **search.result(), "slo": workload.slo.model_dump(), **rates,
                 "ceiling_from": "the KV cache" if not (workload.search_ceiling or workload.by_rate)
                 else "the workload"}
-            ends = [workload.load_text(v) if v is not None else "unbounded"
-                    for v in (found["capacity_low"], found["capacity_high"])]
+            if workload.by_rate:  # the rate at the knee, as the table and exports give it
+                at, *interval = (workload.rate(v) for v in workload.rate_levels(found))
+                point = f"{at:.3g} req/s"
+                ends = [f"{v:.3g} req/s" if v is not None else "unbounded" for v in interval]
+            else:
+                point = workload.load_text(found["capacity"])
+                ends = [workload.load_text(v) if v is not None else "unbounded"
+                        for v in (found["capacity_low"], found["capacity_high"])]
             log.info(f"{name}: {workload.slo.describe()}: {found['outcome']}, capacity "
-                     f"{workload.load_text(found['capacity'])} ({found['level']:.0%} interval "
-                     f"{ends[0]} to {ends[1]})")
+                     f"{point} ({found['level']:.0%} interval {ends[0]} to {ends[1]})")
 
 
 def derive(workload: Workload, result: dict[str, Any]) -> Workload:

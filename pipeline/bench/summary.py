@@ -201,18 +201,15 @@ def capacity_figures(found: dict, points: dict[int, PointFigures], workload: Wor
     fit = found.get("fit") or {}
     # a rate search's capacity is the rate at the knee itself (rates are not whole); a
     # concurrency search's, whole users at or below it
-    at = float(fit["knee"]) if workload.by_rate and fit.get("knee") is not None else best
+    at: float = best
     low, high = found["capacity_low"], found["capacity_high"]
     if workload.by_rate:
-        if fit:
-            low = None if fit.get("low") is None else max(0.0, float(fit["low"]))
-            high = None if fit.get("high") is None else min(float(found["ceiling"]),
-                                                            float(fit["high"]))
         rate = workload.rate_of  # a level's requests/s (levels 1, 2, ... from rate_start)
         out["search_by"] = "rate"
-        out[tracking.SLO_MAX_REQUEST_RATE] = rate(at) if at else 0.0
-        out[tracking.SLO_REQUEST_RATE_LOW] = rate(low) if low else (0.0 if low == 0 else None)
-        out[tracking.SLO_REQUEST_RATE_HIGH] = rate(high) if high else None
+        at, low, high = workload.rate_levels(found)
+        out[tracking.SLO_MAX_REQUEST_RATE] = workload.rate(at)
+        out[tracking.SLO_REQUEST_RATE_LOW] = workload.rate(low)
+        out[tracking.SLO_REQUEST_RATE_HIGH] = workload.rate(high)
         out["points"] = {c: {**p, "rate": rate(int(c))} for c, p in out["points"].items()}
     else:
         out[tracking.SLO_MAX_CONCURRENCY] = best

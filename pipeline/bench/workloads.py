@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from pipeline.bench import request_files
 from pipeline.bench.slo import AUTO, MIN_RUNS, Objective
 from pipeline.core import paths
+from pipeline.core.artifacts import ESTIMATED
 from pipeline.core.errors import ConfigError
 from pipeline.core.speedup import Looks
 
@@ -132,9 +133,26 @@ class Workload:
         return bool(self.slo is not None and (self.slo.auto() or (
             self.by_rate and not self.rate_start)))
 
-    def rate_of(self, level: int) -> float:
+    def rate_of(self, level: float) -> float:
         """Requests/s at a rate search's level (1: ``rate_start``)."""
         return self.rate_start * 2 ** ((level - 1) * self.rate_step)
+
+    def rate_levels(self, found: dict[str, Any]) -> tuple[float, float | None, float | None]:
+        """A rate search's result (:meth:`CapacitySearch.result`) in levels, not whole: the
+        fitted knee (rates are not whole; the level below it where none was fitted), and its
+        interval, from the largest level shown to meet to the smallest shown to miss (the knee
+        lies between; None: open), the knee kept within it. :meth:`rate` gives each in req/s."""
+        fit = found.get("fit") or {}
+        low, high = found["capacity_low"], found["capacity_high"]
+        if found.get("outcome") == ESTIMATED and high is not None:
+            high += 1  # the level shown to miss: a rate's knee lies below it, not a level below
+        at = float(fit["knee"]) if fit.get("knee") is not None else float(found["capacity"])
+        at = min(max(at, float(low or 0)), float(high) if high is not None else at)
+        return at, low, high
+
+    def rate(self, level: float | None) -> float | None:
+        """Requests/s at a (fractional) level; 0 at level 0, None for None (an open end)."""
+        return None if level is None else self.rate_of(level) if level else 0.0
 
     @property
     def levels(self) -> int:
