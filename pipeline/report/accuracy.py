@@ -10,20 +10,20 @@ from pipeline.core.artifacts import (
     EMULATED,
     SERVED,
     Baseline,
+    Manifest,
     Prediction,
     RecoverySummary,
     Row,
     SensitivityTable,
 )
-from pipeline.core.errors import ConfigError
 from pipeline.eval import gate
 
 
 def apply_eval(row: Row, summary: RecoverySummary, base: Baseline, identity: str,
-               own: float | None, threshold: float | None = None) -> None:
+               manifest: Manifest, threshold: float | None = None) -> None:
     """The variant's current task results (this checkpoint, baseline and task files), its
-    suite figures and the gate's verdict on them at ``threshold`` (else ``own``, its recipe's
-    as its manifest records it); stale results are named, never used."""
+    suite figures and the gate's verdict on them at ``threshold`` (else its recipe's, as its
+    ``manifest`` records it); stale results are named, never used."""
     entries, stale = gate.current_tasks(summary, identity, base.identity)
     row.tasks = entries
     row.suites = gate.suite_figures(entries)
@@ -32,17 +32,13 @@ def apply_eval(row: Row, summary: RecoverySummary, base: Baseline, identity: str
     div = summary.divergence or {}
     if div.get("identity") == identity:
         row.divergence = {k: v for k, v in div.items() if isinstance(v, (int, float))}
-    if own is None and threshold is None:
-        raise ConfigError(
-            f"recipe {row.recipe!r} has no qpipe.recovery_threshold_pct (its manifest records "
-            "none). Fix: add `recovery_threshold_pct: 96` under `qpipe:` in the recipe and "
-            "`make quantize`, or pass THRESHOLD= (--threshold).")
-    row.threshold = threshold if threshold is not None else own
+    row.threshold = gate.threshold_of(manifest, row.recipe, threshold)
     row.threshold_from = "recipe" if threshold is None else "campaign"
+    own = manifest.recipe.recovery_threshold_pct
     if threshold is not None and threshold != own:
         row.notes.append(f"gate threshold {threshold:g}%: the campaign's, instead of recipe "
-                         f"{row.recipe}'s own {own:g}% (THRESHOLD= or the campaign file's "
-                         "threshold:)")
+                         f"{row.recipe}'s own {f'{own:g}%' if own is not None else 'none'} "
+                         "(THRESHOLD= or the campaign file's threshold:)")
     verdict = gate.judge(entries, row.recipe, row.threshold, stale=stale)
     row.gate_status, row.gate_reason = verdict.status, verdict.reason()
     if stale:

@@ -191,8 +191,7 @@ def collect(base: Baseline, recipes: list[str] | None = None,
             row.gate_reason = f"its last evaluation failed: {eval_failed.reason}"
             failed.append(Failure(variant=row.name, stage="eval", reason=eval_failed.reason))
         elif evaluated is not None:
-            apply_eval(row, evaluated, base, identities[row.name],
-                       made[row.name].recipe.recovery_threshold_pct, threshold)
+            apply_eval(row, evaluated, base, identities[row.name], made[row.name], threshold)
             sources[f"eval:{row.name}"] = str(RecoverySummary.path(base.name, row.name))
     priced = prices.get(BASELINE) or cost.price_of(cost_target, {"unit": "host", "kind": "host"})
     one_objective(rows)
