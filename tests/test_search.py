@@ -477,17 +477,24 @@ def test_the_prediction_is_calibrated_by_the_uniform_variants_measured_damage(wo
     assert measured.calibration(table) == ({}, "not calibrated: no comparison of this baseline "
                                             "yet")
 
-    def uniform(fmt: str, measured: float, predicted_then: bool = True) -> Row:
+    def uniform(fmt: str, measured: float, predicted_then: bool = True, name: str = "",
+                group: int | None = None, symmetric: bool = True) -> Row:
         predicted = table.uniform(fmt)[1]
-        return Row(name=fmt, recipe=fmt, scheme="S", format="f", precision=fmt, weight_bytes=1,
-                   weight_ratio=0.5, divergence={"kl_div_mean": measured * predicted},
+        return Row(name=name or fmt, recipe=name or fmt, scheme="S", format="f", precision=fmt,
+                   group_size=group if group or fmt != "int4" else 64, symmetric=symmetric,
+                   weight_bytes=1, weight_ratio=0.5,
+                   divergence={"kl_div_mean": measured * predicted},
                    search=Prediction(predicted_kl=predicted, basis="every unit at " + fmt)
                    if predicted_then else None)
 
-    # a comparison made before the scan holds no prediction: the table's own is used
+    # a comparison made before the scan holds no prediction: the table's own is used; a row
+    # is matched to a format by what its checkpoint is, not its name: AWQ's asymmetric
+    # group-128 INT4 is not the scan's int4, and a recipe named otherwise may be
     Comparison(baseline="toy", workload="", load_point=None, plan_target=PlanTarget(),
                recommendation=None, reason="",
-               rows=[uniform("int4", 1.5, predicted_then=False), uniform("int8", 20)],
+               rows=[uniform("int4", 99, name="awq", group=128, symmetric=False),
+                     uniform("int4", 1.5, predicted_then=False, name="w4-g64"),
+                     uniform("int8", 20)],
                meta={"created": "2026-12-02"}).write(
         Comparison.directory("toy") / Comparison.FILE)
     factors, how = measured.calibration(table)

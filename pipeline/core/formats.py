@@ -149,6 +149,20 @@ WEIGHT_PRECISIONS: tuple[str, ...] = tuple(dict.fromkeys(f.precision for f in FO
 SEARCHABLE: dict[str, Format] = {k: f for k, f in FORMATS.items() if f.searchable}
 
 
+def scanned_as(key: str, group_size: int | None, symmetric: bool) -> str | None:
+    """The search format a uniform checkpoint is (row ``key``, the group size and zero points
+    it chose) where it is quantized as the search scans that format, else None: AWQ's
+    asymmetric group-128 INT4 is not the scan's symmetric group-64 INT4."""
+    fmt = FORMATS.get(key)
+    if fmt is None or not fmt.searchable or fmt.search_args is None:
+        return None
+    weights = fmt.search_args["weights"]
+    scanned_group = weights.get("group_size") if weights.get("strategy") == "group" else None
+    if group_size != scanned_group or symmetric != weights.get("symmetric", True):
+        return None
+    return fmt.key
+
+
 def get(key: str) -> Format:
     """The row named ``key``; an unknown name is refused with the known ones."""
     if key not in FORMATS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.core import formats
 from pipeline.core.artifacts import (
     EMULATED,
     SERVED,
@@ -74,9 +75,10 @@ def apply_search(row: Row, found: Mapping[str, Any], tables: list[SensitivityTab
                              "emulated; where it does serve them, the speed and capacity "
                              "shown are this machine's, not the target's")
         return
-    table = next((t for t in tables if row.recipe in t.formats), None)
-    if table is not None:
-        size, damage = table.uniform(row.recipe)
+    fmt = formats.scanned_as(row.precision, row.group_size, row.symmetric)
+    table = next((t for t in tables if fmt in t.formats), None)
+    if table is not None and fmt is not None:
+        size, damage = table.uniform(fmt)
         row.search = Prediction(predicted_kl=damage, predicted_weight_bytes=size,
-                                basis=f"every unit at {row.recipe} in the sensitivity table "
+                                basis=f"every unit at {fmt} in the sensitivity table "
                                       "(round-to-nearest)", uniform=True)

@@ -8,12 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.core.artifacts import Comparison, Prediction, SensitivityTable
+from pipeline.core import formats
+from pipeline.core.artifacts import Comparison, Prediction, Row, SensitivityTable
 from pipeline.search.recipe import KEEP
 from pipeline.search.solver import Option
 
 if TYPE_CHECKING:
     from pipeline.search.menu import Target
+
+
+def _uniform(row: Row, table: SensitivityTable) -> str | None:
+    """The menu format a comparison row's checkpoint is in every unit, quantized as the scan
+    quantizes it (its recorded format, group and zero points; not its recipe's name), else
+    None."""
+    fmt = formats.scanned_as(row.precision, row.group_size, row.symmetric)
+    return fmt if fmt in table.formats and fmt != KEEP else None
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,14 @@ def speeds(table: SensitivityTable, target: Target | None = None
     own = comparison.own_dtype_speedup
     found = {KEEP: Speed(own["point"], own["low"], own["high"]) if own else Speed(1.0, 1.0, 1.0)}
     for row in comparison.rows:
-        if row.name in table.formats and row.name != KEEP and row.comparable \
-                and row.serving == "ok" and (measured := row.headline.speedup):
+        fmt = _uniform(row, table)
+        if fmt is not None and row.comparable and row.serving == "ok" \
+                and (measured := row.headline.speedup):
             point = round(measured.point, 4)
             low = measured.low or point
             high = measured.high or point
-            found[row.name] = Speed(point, round(min(low, point), 4), round(max(high, point), 4))
+            found.setdefault(fmt, Speed(point, round(min(low, point), 4),
+                                        round(max(high, point), 4)))
     when = comparison.meta.get("created", "")
     where = comparison.hardware or "the machine that ran it"
     return found, (f"the uniform variants' measured speedups at {comparison.workload} "
@@ -114,14 +125,14 @@ def calibration(table: SensitivityTable) -> tuple[dict[str, float], str]:
         return {}, "not calibrated: no comparison of this baseline yet"
     factors = {}
     for row in comparison.rows:
-        if row.name in table.formats and row.name != KEEP:
+        if (fmt := _uniform(row, table)) is not None:
             # the table's own prediction: the comparison may predate the table (a scan run
             # after `make all`), and then holds no prediction for its uniform variants
-            _, predicted = table.uniform(row.name)
+            _, predicted = table.uniform(fmt)
             found = Prediction(predicted_kl=predicted, basis="uniform").ratio(
                 row.divergence.get("kl_div_mean"))
             if found is not None:
-                factors[row.name] = round(found, 4)
+                factors.setdefault(fmt, round(found, 4))
     if not factors:
         return {}, "not calibrated: no uniform variant of the menu measured in the newest " \
             "comparison (make all RECIPE=\"int4 int8\")"
