@@ -29,7 +29,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-RECIPES = ("fp8", "int4", "int8", "int8-fp8kv", "mxfp4")
 LLAMA_FUSIONS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                  "gate_up_proj": ["gate_proj", "up_proj"]}
 SHAPES = {  # Llama-3.2-1B's layer shapes (random weights), and a small one for the stand-in
@@ -90,7 +89,7 @@ class Checks:
               f"{json.dumps(found)[:600]}", flush=True)
 
 
-def run(out: Path, shape: str | None) -> int:
+def run(out: Path, shape: str | None, names: list[str] | None = None) -> int:
     import torch
 
     from pipeline.core import hardware
@@ -110,10 +109,12 @@ def run(out: Path, shape: str | None) -> int:
         model = make_model(work / "llama-random", shape)
         from pipeline.core.artifacts import Manifest, RecoverySummary
         from pipeline.quantize import baseline as baselines
+        from pipeline.quantize import recipes as recipe_files
 
         base = baselines.resolve(str(model))
         calib = ("--calib-samples=8", "--calib-seq-len=128")
-        for recipe in RECIPES:
+        recipe_names = names or recipe_files.available()  # every shipped one unless named
+        for recipe in recipe_names:
             def quantized(recipe: str = recipe) -> dict[str, Any]:
                 qpipe("quantize", f"--baseline={model}", f"--recipe={recipe}", *calib, log=log)
                 manifest = Manifest.load(base.name, recipe)
@@ -128,7 +129,7 @@ def run(out: Path, shape: str | None) -> int:
             qpipe("eval", f"--baseline={model}", "--backend=hf", "--suite=app", "--limit=8",
                   "--no-divergence", log=log)
             found = {}
-            for recipe in RECIPES:
+            for recipe in recipe_names:
                 summary = RecoverySummary.load(base.name, recipe)
                 assert summary is not None, f"no recovery summary for {recipe}"
                 backends = {t.backend for t in summary.tasks.values()}
@@ -267,9 +268,11 @@ def main() -> int:
     go = sub.add_parser("run")
     go.add_argument("out", type=Path)
     go.add_argument("--shape", choices=sorted(SHAPES))
+    go.add_argument("--recipe", action="append", dest="recipes",
+                    help="a recipe to quantize and score (repeatable; default: every shipped one)")
     sub.add_parser("carry")
     args = parser.parse_args()
-    return run(args.out, args.shape) if args.command == "run" else carry()
+    return run(args.out, args.shape, args.recipes) if args.command == "run" else carry()
 
 
 if __name__ == "__main__":
