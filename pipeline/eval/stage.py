@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.core import heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure
+from pipeline.core.artifacts import UNSUPPORTED, EvalFailure, RecoverySummary, SuiteFigure
 from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
 from pipeline.eval.lm import (
@@ -114,11 +114,9 @@ def _one_of_many(base: baselines.Baseline, model: Variant, report: dict[str, Sco
     """One variant's failure is recorded in ``report``; the others go on."""
     try:
         yield
-    except NotDecompressible as err:
-        log.warning(f"{model.name}: unsupported here, the other variants go on: {err}")
-        report[model.name] = Scored(failed=write_failure(base.name, model, err))
     except (EvalError, ServeError) as err:
-        log.warning(f"{model.name}: FAILED, the other variants go on: {err}")
+        how = "unsupported here" if isinstance(err, NotDecompressible) else "FAILED"
+        log.warning(f"{model.name}: {how}, the other variants go on: {err}")
         report[model.name] = Scored(failed=write_failure(base.name, model, err))
 
 
@@ -202,4 +200,4 @@ def failures(report: dict[str, Scored]) -> dict[str, str]:
     """variant -> why, for the variants whose scoring failed (not those no backend here
     can score: unsupported)."""
     return {name: r.failed.reason for name, r in report.items()
-            if r.failed and r.failed.status == "failed"}
+            if r.failed and r.failed.status != UNSUPPORTED}

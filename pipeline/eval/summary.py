@@ -14,7 +14,13 @@ from typing import Any
 
 from pipeline.core import hardware, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure, TaskEntry
+from pipeline.core.artifacts import (
+    UNSUPPORTED,
+    EvalFailure,
+    RecoverySummary,
+    SuiteFigure,
+    TaskEntry,
+)
 from pipeline.core.errors import QpipeError
 from pipeline.core.provenance import content_key
 from pipeline.core.variant import Variant
@@ -153,7 +159,7 @@ def write_summary(base: baselines.Baseline, model: Variant, backend: str,
 def write_failure(base_name: str, model: Variant, err: QpipeError) -> EvalFailure:
     """Record that scoring ``model`` failed; compare and gate show it, the rest go on."""
     failure = EvalFailure(identity=model.identity, reason=str(err), stage=STAGE,
-                          status="unsupported" if isinstance(err, NotDecompressible) else "failed",
+                          status=UNSUPPORTED if isinstance(err, NotDecompressible) else "failed",
                           hardware=hardware.profile().describe(),
                           when=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     failure.write(EvalFailure.path(base_name, model.name))

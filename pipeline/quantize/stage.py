@@ -127,14 +127,15 @@ def warn_partial_blocks(model: Any, llm_recipe: Any, recipe_path: Path) -> list[
             if weights is None or weights.strategy != "block" or not weights.block_structure:
                 continue
             rows, cols = weights.block_structure
-            untiled += [f"{name} ({m.out_features} x {m.in_features})" for name, m in
-                        match_named_modules(model, scheme.targets, config.ignore)
-                        if hasattr(m, "in_features")
-                        and (m.out_features % rows or m.in_features % cols)]
-            if untiled:
+            these = [f"{name} ({m.out_features} x {m.in_features})" for name, m in
+                     match_named_modules(model, scheme.targets, config.ignore)
+                     if hasattr(m, "in_features")
+                     and (m.out_features % rows or m.in_features % cols)]
+            untiled += these
+            if these:
                 log.warning(
-                    f"{recipe_path}: {rows}x{cols} weight blocks do not tile {len(untiled)} "
-                    f"targeted layer(s), e.g. {untiled[0]}. llmcompressor quantizes them (the "
+                    f"{recipe_path}: {rows}x{cols} weight blocks do not tile {len(these)} "
+                    f"targeted layer(s), e.g. {these[0]}. llmcompressor quantizes them (the "
                     "last, partial block scaled as a block of its own), but vLLM refuses to "
                     "serve such a checkpoint and compressed-tensors cannot de-compress partial "
                     "blocks along a layer's input: bench reports it unsupported on this model, "
