@@ -162,9 +162,3 @@ def run(settings: BenchSettings, pool: ServerPool | None = None) -> BenchSummary
     return bench(baselines.resolve(settings.baseline), list(settings.recipes) or None, loads,
                  settings.engine, settings.force, pool=pool,
                  reference_dtype=settings.reference)
-
-
-def failures(summary: BenchSummary) -> dict[str, str]:
-    """model -> why, for the models that failed (not a hardware limit)."""
-    return {n: f"{e.reason} (log {e.log or '-'})" for n, e in summary.models.items()
-            if e.status == "failed"}

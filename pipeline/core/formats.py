@@ -200,7 +200,9 @@ class Identified(BaseModel):
         return self.format.describe(self.group_size, self.symmetric)
 
 
-def _quant_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def quant_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A config.json's quantization section (``quantization_config``, or the older
+    ``compression_config``), empty for a dense model."""
     return config.get("quantization_config") or config.get("compression_config") or {}
 
 
@@ -230,7 +232,7 @@ def identify(config: Mapping[str, Any], where: str = "config.json") -> Identifie
     """The weight format of a checkpoint from its ``config.json`` (``where`` names it in an
     error): a checkpoint with no quantization config is bf16; one whose groups differ is
     mixed (a searched recipe)."""
-    qc = _quant_config(config)
+    qc = quant_config(config)
     if not qc:
         return Identified(key="bf16")
     fmt = str(qc.get("format") or qc.get("quant_method") or DENSE)

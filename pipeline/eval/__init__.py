@@ -2,6 +2,6 @@
 the gate."""
 
 from pipeline.eval.settings import EvalSettings, GateSettings
-from pipeline.eval.stage import evaluate, failures, run
+from pipeline.eval.stage import evaluate, run
 
-__all__ = ["EvalSettings", "GateSettings", "evaluate", "failures", "run"]
+__all__ = ["EvalSettings", "GateSettings", "evaluate", "run"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.core import heldout, paths, tracking
 from pipeline.core import log as qlog
-from pipeline.core.artifacts import UNSUPPORTED, EvalFailure, RecoverySummary, SuiteFigure
+from pipeline.core.artifacts import EvalFailure, RecoverySummary, SuiteFigure
 from pipeline.core.variant import Variant, baseline_variant, variants_of
 from pipeline.eval import divergence, recovery, suites
 from pipeline.eval.lm import (
@@ -194,10 +194,3 @@ def run(settings: EvalSettings, pool: ServerPool | None = None) -> dict[str, Sco
         log.info(f"no variant of {base.name} on disk: scoring the baseline only (make quantize "
                  "makes the variants)")
     return evaluate(base, variants, tasks, settings, pool)
-
-
-def failures(report: dict[str, Scored]) -> dict[str, str]:
-    """variant -> why, for the variants whose scoring failed (not those no backend here
-    can score: unsupported)."""
-    return {name: r.failed.reason for name, r in report.items()
-            if r.failed and r.failed.status != UNSUPPORTED}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import BaselineError
+from pipeline.core.formats import quant_config
 
 # Tensors that make up a quantized linear layer in compressed-tensors checkpoints.
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale",
@@ -70,7 +71,7 @@ def tensors(model_dir: Path) -> dict[str, TensorInfo]:
 def quantization_format(model_dir: Path) -> str:
     """``quantization_config.format`` from config.json, or ``dense``."""
     config = json.loads((model_dir / "config.json").read_text())
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    qc = quant_config(config)
     return str(qc.get("format") or qc.get("quant_method") or "dense")
 
 
@@ -103,7 +104,7 @@ def partial_blocks(model_dir: Path) -> list[str]:
     quantization block_n") and compressed-tensors cannot de-compress along a layer's input.
     Empty for any other checkpoint."""
     config = json.loads((model_dir / "config.json").read_text())
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    qc = quant_config(config)
     blocks = {tuple(w["block_structure"]) for g in (qc.get("config_groups") or {}).values()
               if (w := g.get("weights") or {}).get("strategy") == "block"
               and w.get("block_structure")}
@@ -128,7 +129,7 @@ def checkpoint_kv_dtype(config: dict[str, Any]) -> str | None:
     """The KV-cache dtype a compressed-tensors checkpoint makes vLLM use (its
     ``kv_cache_scheme``: vLLM stores the cache in FP8 unless ``--kv-cache-dtype`` says
     otherwise), or None when the checkpoint asks for none."""
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    qc = quant_config(config)
     scheme = qc.get("kv_cache_scheme")
     if not isinstance(scheme, dict):
         return None
