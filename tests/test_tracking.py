@@ -125,3 +125,40 @@ def test_a_campaigns_stage_runs_are_nested_under_its_run_of_their_model(workspac
     assert parent_of(made["bench:baseline"]) == kids["baseline"]
     assert parent_of(made["eval:gone"]) == parent.info.run_id  # its model is not a row
     assert parent_of(before) is None
+
+
+def test_a_comparison_whose_figures_cannot_be_logged_leaves_no_half_logged_run(
+        workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tag, param and metric is built before MLflow is called: a figure that fails to
+    flatten (here: the second variant's) leaves no campaign run with only some children."""
+    import mlflow
+
+    from pipeline.core.artifacts import Comparison, PlanTarget, Row
+    from pipeline.report import log
+
+    rows = [Row(name=n, recipe=n, scheme="x", format="dense", precision="bf16",
+                weight_bytes=1, weight_ratio=1.0) for n in ("baseline", "int8")]
+    comparison = Comparison(baseline="tiny", rows=rows, workload="", load_point=None,
+                            plan_target=PlanTarget(), recommendation=None, reason="")
+    flatten = log.child_metrics
+
+    def failing(row: Row) -> dict[str, float]:
+        if row.name == "int8":
+            raise ValueError("a figure that does not flatten")
+        return flatten(row)
+
+    monkeypatch.setattr(log, "child_metrics", failing)
+    with pytest.raises(ValueError):
+        log.log_comparison(comparison, [], {"campaign": "default"})
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("tiny"))
+    assert experiment is None or not mlflow.search_runs([experiment.experiment_id],
+                                                        output_format="list")
+
+    monkeypatch.setattr(log, "child_metrics", flatten)
+    parent = log.log_comparison(comparison, [], {"campaign": "default"})
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("tiny"))
+    runs = mlflow.search_runs([experiment.experiment_id], output_format="list")
+    assert {r.info.run_name for r in runs} == {"campaign:default", "variant:baseline",
+                                               "variant:int8"}
+    assert all(r.data.tags.get("mlflow.parentRunId") == parent for r in runs
+               if r.info.run_id != parent)

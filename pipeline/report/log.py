@@ -92,51 +92,62 @@ def _child_params(comparison: Comparison, row: Row) -> dict[str, object]:
     return params
 
 
+def _child_tags(row: Row) -> dict[str, str]:
+    tags = {tracking.TAG_STAGE: CHILD_STAGE, "serving_status": row.serving,
+            "gate": row.gate_status if row.name != BASELINE else "-"}
+    if row.eval_backend:
+        tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
+    if row.price is not None:  # a cost figure never without whose price it is
+        tags["price_basis"] = price_basis(row.price)
+        tags["price_source"] = row.price.source[:500]
+    if row.search is not None:  # whether the search's prediction held, said here too
+        held = row.search.held(row.divergence.get("kl_div_mean"))
+        tags["prediction_held"] = "not measured" if held is None else str(held)
+    return tags
+
+
 def log_comparison(comparison: Comparison, files: list[Path], meta: dict[str, str],
                    seconds: float | None = None) -> str:
     """One parent run ``campaign:<name>`` with the report as artifacts, spanning the
     campaign's ``seconds`` when given; one nested child run ``variant:<name>`` per model, and
-    under it the quantize, bench and eval runs the campaign made of that model."""
-    mlflow = tracking.mlflow_module()
-    experiment_id = tracking.use_experiment(comparison.baseline)
+    under it the quantize, bench and eval runs the campaign made of that model. Every tag,
+    param and metric is built before MLflow is called, so a figure that cannot be flattened
+    leaves no half-logged campaign run behind."""
     tags = {tracking.TAG_STAGE: STAGE, "qpipe.host": platform.node(),
             **{f"qpipe.{k}": v for k, v in meta.items()},
             "recommendation": comparison.recommendation or "none",
             "failures": "; ".join(f"{f.variant} ({f.stage})"
                                   for f in comparison.failures)[:5000] or "none",
             "mlflow.note.content": recommendation_line(comparison)}
+    params = {tracking.PARAM_BASELINE: comparison.baseline,
+              "variants": ",".join(r.name for r in comparison.rows),
+              "workload": comparison.workload or "-",
+              "load_point": comparison.load_point or "-",
+              "plan_target": comparison.plan_target.gpu,
+              "plan_context": comparison.plan_target.context,
+              "plan_max_context": comparison.plan_target.max_context,
+              "objective": comparison.objective,
+              "measurement": comparison.measurement.get("run", "-"),
+              "speedup_pairing": comparison.measurement.get("pairing", "-")[:500]}
+    rows = []
+    for row in comparison.rows:
+        rows.append((row.name, _child_params(comparison, row), _child_tags(row),
+                     child_metrics(row)))
+    mlflow = tracking.mlflow_module()
+    experiment_id = tracking.use_experiment(comparison.baseline)
     name = f"campaign:{meta['campaign']}"
     campaign_id = os.environ.get(tracking.CAMPAIGN_ENV)
     children: dict[str, str] = {}
     with tracking.started_run(experiment_id, name, tags, seconds) as parent:
-        mlflow.log_params({tracking.PARAM_BASELINE: comparison.baseline,
-                           "variants": ",".join(r.name for r in comparison.rows),
-                           "workload": comparison.workload or "-",
-                           "load_point": comparison.load_point or "-",
-                           "plan_target": comparison.plan_target.gpu,
-                           "plan_context": comparison.plan_target.context,
-                           "plan_max_context": comparison.plan_target.max_context,
-                           "objective": comparison.objective,
-                           "measurement": comparison.measurement.get("run", "-"),
-                           "speedup_pairing": comparison.measurement.get("pairing", "-")[:500]})
+        mlflow.log_params(params)
         for path in files:
             mlflow.log_artifact(str(path))
-        for row in comparison.rows:
-            child_tags = {tracking.TAG_STAGE: CHILD_STAGE, "serving_status": row.serving,
-                          "gate": row.gate_status if row.name != BASELINE else "-"}
-            if row.eval_backend:
-                child_tags[tracking.TAG_EVAL_BACKEND] = row.eval_backend
-            if row.search is not None:  # whether the search's prediction held, said here too
-                held = row.search.held(row.divergence.get("kl_div_mean"))
-                child_tags["prediction_held"] = "not measured" if held is None else str(held)
-            if row.price is not None:  # a cost figure never without whose price it is
-                child_tags["price_basis"] = price_basis(row.price)
-                child_tags["price_source"] = row.price.source[:500]
-            with mlflow.start_run(run_name=f"variant:{row.name}", nested=True,
+        for row_name, child_params, child_tags, metrics in rows:
+            with mlflow.start_run(run_name=f"variant:{row_name}", nested=True,
                                   tags=child_tags) as child:
-                mlflow.log_params(_child_params(comparison, row))
-                mlflow.log_metrics(child_metrics(row))
-                children[row.name] = child.info.run_id
+                mlflow.log_params(child_params)
+                mlflow.log_metrics(metrics)
+                children[row_name] = child.info.run_id
     if campaign_id:  # the stage runs this campaign made, each under its model's run
         tracking.nest_stage_runs(experiment_id, campaign_id, parent.info.run_id, children)
     return parent.info.run_id
