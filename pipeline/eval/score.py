@@ -21,6 +21,7 @@ from pipeline.eval.lm import (
     EvalError,
     TaskResult,
     engine_for,
+    not_decompressible,
     open_lm,
     primary_key,
     quiet_libraries,
@@ -96,6 +97,8 @@ def score(base_name: str, model: Variant, tasks: list[suites.Task], backend: str
                 lost = served_failure(server, task, err) if server is not None else None
                 if lost is not None:
                     raise lost from err
+                if backend == EMULATED and (unscoreable := not_decompressible(model, err)):
+                    raise unscoreable from err
                 raise
             key = primary_key(task, result)
             log.info(f"{tag}: {task.name} {key} = {result.metrics.get(key, float('nan')):.4f} "
