@@ -84,13 +84,14 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
     memory = s.memory_bytes or 0
     ships = f"; checkpoint ships {arch.checkpoint_quantization}" if (
         arch.checkpoint_quantization) else ""
+    width = max(7, *(len(p) for p in plan.weights))  # the precision column (fp8-block: 9)
     lines = [
         f"qpipe plan: {inputs['model']}  ({inputs['source']})",
         f"  model        {arch.describe()}; {arch.params / 1e9:,.2f} B parameters{ships}",
         f"  accelerator  {inputs['accelerator']} ({inputs['accelerator_description']}): "
         f"{memory / GIB:,.2f} GiB = {_gb(memory)}",
         "",
-        f"  {'weights':<7}{'size':>11}  {'KV left':>10}  converted (the rest stays bf16)"
+        f"  {'weights':<{width}}{'size':>11}  {'KV left':>10}  converted (the rest stays bf16)"
         + (f"; KV left over the {s.devices} devices" if s.devices > 1 else ""),
     ]
     for precision, estimate in plan.weights.items():
@@ -102,7 +103,7 @@ def format_table(plan: CapacityPlan, inputs: dict[str, Any]) -> str:
             converted += f" (group {s.int4_group_size}, {kind})"
         mark = ">" if precision == s.weights else " "
         size = f"{estimate.total_bytes / GB:,.2f} GB"
-        lines.append(f"{mark} {precision:<7}{size:>11}  {left_text:>10}  {converted}")
+        lines.append(f"{mark} {precision:<{width}}{size:>11}  {left_text:>10}  {converted}")
     chosen = plan.weights[s.weights]
     tied = "" if "lm_head" in arch.module_names else " (lm_head tied to the embeddings)"
     lines.append(f"  stays bf16 with {s.weights}: {', '.join(chosen.high_precision_modules)}{tied}")
