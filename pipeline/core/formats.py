@@ -99,9 +99,12 @@ FORMATS: dict[str, Format] = {f.key: f for f in (
            cuda_native=99.0, cuda_why="vLLM's WNA16 kernels take 4- and 8-bit weights only",
            served_on="no vLLM build (scored emulated: de-compressed in transformers)"),
     Format("w8a16", "INT8 W8A16", ("pack-quantized",), "int", 8,
-           strategies=("group", "channel"), scale_bytes=2, cpu_op="cpu_gemm_wna16",
-           cpu_why="CPUWNA16 kernel", cuda_why="Marlin / Machete WNA16 from 8.0",
-           served_on="NVIDIA GPUs from Ampere (Marlin); x86 CPUs with AVX-512"),
+           strategies=("group", "channel"), scale_bytes=2, cpu_serves=False,
+           cpu_why="vLLM CPU's WNA16 kernel (CPUWNA16) takes 4-bit weights only (uint4, "
+                   "uint4b8): \"Failed to find a kernel that can implement the WNA16 linear "
+                   "layer\"",
+           cuda_why="Marlin / Machete WNA16 from 8.0",
+           served_on="NVIDIA GPUs from Ampere (Marlin, Machete on Hopper)"),
     Format("int8", "INT8 W8A8", ("int-quantized", "naive-quantized"), "int", 8, 8,
            scale_bytes=2, cpu_op="onednn_scaled_mm", cpu_why="oneDNN scaled mm",
            cuda_native=7.5, cuda_why="CUTLASS scaled mm",
