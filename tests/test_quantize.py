@@ -36,6 +36,7 @@ EXPECTED = {  # recipe -> (compressed-tensors format, upper bound of quantized/b
     "fp8-block": ("float-quantized", 0.51, "fp8-block", None),
     "nvfp4": ("nvfp4-pack-quantized", 0.29, "nvfp4", None),
     "nvfp4a16": ("nvfp4-pack-quantized", 0.29, "nvfp4a16", None),
+    "w8a16": ("pack-quantized", 0.51, "w8a16", None),
 }
 
 

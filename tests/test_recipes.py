@@ -9,7 +9,8 @@ from pipeline.core import paths
 from pipeline.core.errors import RecipeError
 from pipeline.quantize import recipes
 
-SHIPPED = ["awq", "fp8", "fp8-block", "int4", "int8", "int8-fp8kv", "mxfp4", "nvfp4", "nvfp4a16"]
+SHIPPED = ["awq", "fp8", "fp8-block", "int4", "int8", "int8-fp8kv", "mxfp4", "nvfp4", "nvfp4a16",
+           "w8a16"]
 
 
 def write(tmp_path: Path, text: str, name: str = "custom.yaml") -> Path:
