@@ -142,3 +142,86 @@ def test_a_bad_nemotron_pattern_names_the_layer():
     config["hybrid_override_pattern"] = "X" + config["hybrid_override_pattern"][1:]
     with pytest.raises(PlanError, match=r"layer 0 .*hybrid_override_pattern.*'X'"):
         parse_architecture(config)
+
+
+def _tiny_granite(d_state: int, heads: int, head_dim: int) -> dict:
+    """A 2-layer Granite-4.0-H-style config: one Mamba-2 layer, one attention layer."""
+    return {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+            "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "shared_intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_local_experts": 0, "mamba_n_heads": heads,
+            "mamba_d_head": head_dim, "mamba_d_state": d_state, "mamba_d_conv": 4,
+            "mamba_expand": 2, "mamba_n_groups": 1, "layer_types": ["mamba", "attention"],
+            "max_position_embeddings": 1024, "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False}
+
+
+def test_vllm_cpu_with_bf16_keeps_the_ssm_state_in_float32() -> None:
+    """vLLM 0.32 CPU on an AVX512-BF16 / AMX host resets the SSM cache dtype to float32
+    (CpuPlatform.check_and_update_config), whatever the model's dtype: the state page, and
+    the attention block raised to hold it, follow."""
+    from pipeline.plan.recurrent import served_on_cpu
+
+    cfg = _tiny_granite(128, 8, 32)
+    conv = 3 * (256 + 2 * 128)  # (k - 1) x (inner + 2 groups x d_state)
+    ssm = 8 * 32 * 128  # heads x head_dim x d_state
+    bf16 = parse_architecture(cfg).state_layers[0]
+    assert bf16.bytes == 2 * conv + 2 * ssm
+    on_cpu = parse_architecture(served_on_cpu(cfg, bf16_cpu=True)).state_layers[0]
+    assert on_cpu.bytes == 2 * conv + 4 * ssm
+    assert served_on_cpu(cfg, bf16_cpu=False) is cfg  # AVX2 / AVX-512 without bf16: as is
+    # 256 B of attention KV a token (1 KV head x 64 x K and V x 2 B): blocks in 128s hold it
+    block = 128 * ceil((2 * conv + 4 * ssm) / (128 * 256))
+    assert predict_vllm_kv_cache(served_on_cpu(cfg, True), GIB, block_size=128,
+                                 kv_dtype="bf16", max_model_len=512).block_size == block == 640
+    assert predict_vllm_kv_cache(cfg, GIB, block_size=128, kv_dtype="bf16",
+                                 max_model_len=512).block_size == 384
+    # a gated delta net asked for a 16-bit state keeps it; so does a nested text config's
+    gdn = {**shipped("qwen3-next-80b-a3b"), "layer_types": None}
+    assert served_on_cpu(gdn, True)["mamba_ssm_cache_dtype"] == "float32"
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    asked = {**shipped("qwen3-next-80b-a3b"), "mamba_ssm_cache_dtype": "bfloat16",
+             "layer_types": kinds * (shipped("qwen3-next-80b-a3b")["num_hidden_layers"] // 4)}
+    assert served_on_cpu(asked, True) is asked
+    nested = {"model_type": "x", "text_config": cfg}
+    assert served_on_cpu(nested, True)["text_config"]["mamba_ssm_cache_dtype"] == "float32"
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+@pytest.mark.xdist_group("servers")
+def test_vllm_cpu_serves_a_tiny_hybrid_with_the_kv_cache_the_planner_predicts(
+        tmp_path_factory: pytest.TempPathFactory, workspace) -> None:
+    """A random 2-layer Mamba-2 + attention model made here, served by vLLM CPU: its KV cache
+    in tokens and its concurrency as the planner predicts them (the state larger than one
+    128-token attention page, so vLLM raises the block; on a bf16 CPU in float32)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from pipeline.bench import stage as bench
+    from pipeline.bench import workloads
+    from pipeline.core import tracking
+    from pipeline.quantize import baseline as baselines
+    from pipeline.serve import EngineSettings
+    from tests.conftest import TINY_LOAD, _train_tokenizer
+
+    out = tmp_path_factory.mktemp("hybrid") / "tiny-hybrid"
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in _tiny_granite(128, 8, 32).items()
+           if k not in ("architectures", "model_type", "torch_dtype")}
+    model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **cfg, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model.to(torch.bfloat16).save_pretrained(out)
+    _train_tokenizer(out)
+    base = baselines.resolve(str(out))
+    (workspace / "tiny.yaml").write_text(TINY_LOAD.replace("load_points: [1, 2]",
+                                                           "load_points: [2]")
+                                         .replace("repeats: 2", "repeats: 1"))
+    summary = bench.bench(base, [], [workloads.load(str(workspace / "tiny.yaml"))],
+                          EngineSettings(max_model_len=512, kv_cache_space_gib=1),
+                          target="cpu", reference_dtype="bfloat16")
+    entry = summary.models["baseline"]
+    assert entry.status == "ok", entry.reason
+    assert abs(entry.kv[tracking.KV_CACHE_TOKENS_VS_PLANNED] - 1) <= 0.01, entry.kv
+    assert abs(entry.kv[tracking.MAX_CONCURRENCY_VS_PLANNED] - 1) <= 0.01
+    assert entry.kv[tracking.KV_PLAN_OFF] == 0

@@ -28,7 +28,7 @@ from pipeline.core.errors import PlanError
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
-from pipeline.plan import capacity, wna16_kernels
+from pipeline.plan import capacity, recurrent, wna16_kernels
 from pipeline.plan.architecture import parse_architecture
 from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 from pipeline.serve import (
@@ -285,11 +285,17 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
     # the budget is one worker's, and each worker holds its share of every token's KV cache
     # (its KV heads, its layers): the whole cache is the budget over that share, as make plan
     # counts it
-    shards = parse_architecture(config).kv_shards(settings.tensor_parallel_size,
-                                                  settings.pipeline_parallel_size)
+    if server.target == "cpu":  # torch's own check of the CPU, not a forced kernel library
+        config = recurrent.served_on_cpu(
+            config, "avx512_bf16" in hardware.profile().cpu_flags)
+    arch = parse_architecture(config)
+    shards = arch.kv_shards(settings.tensor_parallel_size, settings.pipeline_parallel_size)
+    alignment = 128 if server.target == "cpu" else 16
     planned = capacity.predict_vllm_kv_cache(
         config, budget * shards,
-        block_size=info.block_size or (128 if server.target == "cpu" else 16),
+        # a hybrid's block is vLLM's alignment raised to hold a state (the planner raises
+        # it as vLLM does); the block size /metrics reports for one is not that alignment
+        block_size=alignment if arch.state_layers else info.block_size or alignment,
         kv_dtype=cache_dtype, max_model_len=settings.max_model_len,
         prefix_caching=bool(settings.enable_prefix_caching))
     ratios = {

@@ -81,6 +81,32 @@ def _dtype_bytes(cfg: Mapping[str, Any], name: str, default: str) -> int:
     return DTYPE_BYTES[value]
 
 
+def _ssm_bytes(cfg: Mapping[str, Any], conv_bytes: int) -> int:
+    """The SSM (temporal) state's bytes per element: ``mamba_ssm_cache_dtype``, else the conv
+    state's (vLLM's ``MambaStateDtypeCalculator._mamba_state_dtype``)."""
+    value = str(cfg.get("mamba_ssm_cache_dtype") or "auto")
+    return conv_bytes if value == "auto" else _dtype_bytes(cfg, "mamba_ssm_cache_dtype", "")
+
+
+def served_on_cpu(config: Mapping[str, Any], bf16_cpu: bool) -> Mapping[str, Any]:
+    """``config`` with the SSM state dtype vLLM 0.32 CPU gives it. On a CPU with AVX512-BF16
+    or AMX, vLLM's accelerated CPU state backends keep the SSM / linear-attention state in
+    float32 (``CpuPlatform.check_and_update_config``: "Reset SSM cache type to float32 for
+    accelerated GDN mamba backend"), unless float16 / bfloat16 was asked for a gated-delta-net
+    model; elsewhere the state is as the config says."""
+    if not bf16_cpu:
+        return config
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) \
+        else config
+    kinds = text.get("layer_types") or []
+    asked = str(text.get("mamba_ssm_cache_dtype") or "auto")
+    if asked in ("float16", "bfloat16") and "linear_attention" in kinds:
+        return config
+    if text is config:
+        return {**config, "mamba_ssm_cache_dtype": "float32"}
+    return {**config, "text_config": {**text, "mamba_ssm_cache_dtype": "float32"}}
+
+
 def _model_dtype(cfg: Mapping[str, Any]) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 
@@ -90,7 +116,8 @@ def _mamba1(cfg: Mapping[str, Any], hidden: int) -> StateLayer:
     inner = _int(cfg, "mamba_expand", "Jamba") * hidden
     width = _dtype_bytes(cfg, "mamba_cache_dtype", _model_dtype(cfg))
     return StateLayer(MAMBA1, (_int(cfg, "mamba_d_conv", "Jamba") - 1) * inner,
-                      inner * _int(cfg, "mamba_d_state", "Jamba"), width, width)
+                      inner * _int(cfg, "mamba_d_state", "Jamba"), width,
+                      _ssm_bytes(cfg, width))
 
 
 def _mamba2(cfg: Mapping[str, Any], inner: int, heads: int, head_dim: int, groups: int,
@@ -113,7 +140,7 @@ def _gdn(cfg: Mapping[str, Any]) -> StateLayer:
     conv = _int(cfg, "linear_conv_kernel_dim", "Qwen3-Next")
     width = _dtype_bytes(cfg, "mamba_cache_dtype", _model_dtype(cfg))
     return StateLayer(GDN, (conv - 1) * (2 * k_heads * k_dim + v_heads * v_dim),
-                      v_heads * v_dim * k_dim, width, width)
+                      v_heads * v_dim * k_dim, width, _ssm_bytes(cfg, width))
 
 
 def _nemotron_h(cfg: Mapping[str, Any], layers: int) -> list[Layer]:
