@@ -136,9 +136,11 @@ def test_a_comparison_whose_figures_cannot_be_logged_leaves_no_half_logged_run(
     from pipeline.core.artifacts import Comparison, PlanTarget, Row
     from pipeline.report import log
 
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")  # not an earlier test's
+
     rows = [Row(name=n, recipe=n, scheme="x", format="dense", precision="bf16",
                 weight_bytes=1, weight_ratio=1.0) for n in ("baseline", "int8")]
-    comparison = Comparison(baseline="tiny", rows=rows, workload="", load_point=None,
+    comparison = Comparison(baseline="half-logged", rows=rows, workload="", load_point=None,
                             plan_target=PlanTarget(), recommendation=None, reason="")
     flatten = log.child_metrics
 
@@ -150,13 +152,13 @@ def test_a_comparison_whose_figures_cannot_be_logged_leaves_no_half_logged_run(
     monkeypatch.setattr(log, "child_metrics", failing)
     with pytest.raises(ValueError):
         log.log_comparison(comparison, [], {"campaign": "default"})
-    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("tiny"))
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("half-logged"))
     assert experiment is None or not mlflow.search_runs([experiment.experiment_id],
                                                         output_format="list")
 
     monkeypatch.setattr(log, "child_metrics", flatten)
     parent = log.log_comparison(comparison, [], {"campaign": "default"})
-    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("tiny"))
+    experiment = mlflow.get_experiment_by_name(tracking.experiment_name("half-logged"))
     runs = mlflow.search_runs([experiment.experiment_id], output_format="list")
     assert {r.info.run_name for r in runs} == {"campaign:default", "variant:baseline",
                                                "variant:int8"}
