@@ -160,7 +160,7 @@ def test_vllm_cpu_with_bf16_keeps_the_ssm_state_in_float32() -> None:
     """vLLM 0.32 CPU on an AVX512-BF16 / AMX host resets the SSM cache dtype to float32
     (CpuPlatform.check_and_update_config), whatever the model's dtype: the state page, and
     the attention block raised to hold it, follow."""
-    from pipeline.plan.recurrent import served_on_cpu
+    from pipeline.plan.vllm_kv import served_on_cpu
 
     cfg = _tiny_granite(128, 8, 32)
     conv = 3 * (256 + 2 * 128)  # (k - 1) x (inner + 2 groups x d_state)
@@ -183,8 +183,10 @@ def test_vllm_cpu_with_bf16_keeps_the_ssm_state_in_float32() -> None:
     asked = {**shipped("qwen3-next-80b-a3b"), "mamba_ssm_cache_dtype": "bfloat16",
              "layer_types": kinds * (shipped("qwen3-next-80b-a3b")["num_hidden_layers"] // 4)}
     assert served_on_cpu(asked, True) is asked
-    nested = {"model_type": "x", "text_config": cfg}
-    assert served_on_cpu(nested, True)["text_config"]["mamba_ssm_cache_dtype"] == "float32"
+    # a nested language-model config, whose own 16-bit choice vLLM CPU overrides as well
+    nested = {"model_type": "x", "language_config": {**cfg, "mamba_ssm_cache_dtype": "bfloat16"}}
+    assert served_on_cpu(nested, True)["mamba_ssm_cache_dtype"] == "float32"
+    assert parse_architecture(served_on_cpu(nested, True)).state_layers[0].bytes == on_cpu.bytes
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from pipeline.core.errors import PlanError
 from pipeline.core.provenance import vllm_version
 from pipeline.core.speedup import undecided
 from pipeline.core.variant import BASELINE, Variant
-from pipeline.plan import capacity, recurrent, wna16_kernels
+from pipeline.plan import capacity, vllm_kv, wna16_kernels
 from pipeline.plan.architecture import parse_architecture
 from pipeline.quantize.checkpoint import checkpoint_kv_dtype
 from pipeline.serve import (
@@ -286,7 +286,7 @@ def _record_kv(record: ModelRecord, server: VllmServer, settings: EngineSettings
     # (its KV heads, its layers): the whole cache is the budget over that share, as make plan
     # counts it
     if server.target == "cpu":  # torch's own check of the CPU, not a forced kernel library
-        config = recurrent.served_on_cpu(
+        config = vllm_kv.served_on_cpu(
             config, "avx512_bf16" in hardware.profile().cpu_flags)
     arch = parse_architecture(config)
     shards = arch.kv_shards(settings.tensor_parallel_size, settings.pipeline_parallel_size)

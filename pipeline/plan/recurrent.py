@@ -88,25 +88,6 @@ def _ssm_bytes(cfg: Mapping[str, Any], conv_bytes: int) -> int:
     return conv_bytes if value == "auto" else _dtype_bytes(cfg, "mamba_ssm_cache_dtype", "")
 
 
-def served_on_cpu(config: Mapping[str, Any], bf16_cpu: bool) -> Mapping[str, Any]:
-    """``config`` with the SSM state dtype vLLM 0.32 CPU gives it. On a CPU with AVX512-BF16
-    or AMX, vLLM's accelerated CPU state backends keep the SSM / linear-attention state in
-    float32 (``CpuPlatform.check_and_update_config``: "Reset SSM cache type to float32 for
-    accelerated GDN mamba backend"), unless float16 / bfloat16 was asked for a gated-delta-net
-    model; elsewhere the state is as the config says."""
-    if not bf16_cpu:
-        return config
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) \
-        else config
-    kinds = text.get("layer_types") or []
-    asked = str(text.get("mamba_ssm_cache_dtype") or "auto")
-    if asked in ("float16", "bfloat16") and "linear_attention" in kinds:
-        return config
-    if text is config:
-        return {**config, "mamba_ssm_cache_dtype": "float32"}
-    return {**config, "text_config": {**text, "mamba_ssm_cache_dtype": "float32"}}
-
-
 def _model_dtype(cfg: Mapping[str, Any]) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
 

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import PlanError
-from pipeline.plan.architecture import Architecture, KVLayer, as_architecture, cdiv
+from pipeline.plan.architecture import (
+    Architecture,
+    KVLayer,
+    as_architecture,
+    cdiv,
+    text_config,
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,22 @@ class VllmKVPrediction:
     group_size: int  # layers per group
     block_size: int = 0  # tokens per attention block (a hybrid's is raised: see _hybrid)
     state_page_padding: float = 0.0  # a hybrid's recurrent-state page padded by this share
+
+
+def served_on_cpu(config: Mapping[str, Any], bf16_cpu: bool) -> Mapping[str, Any]:
+    """``config`` with the SSM state dtype vLLM 0.32 CPU gives it. On a CPU with AVX512-BF16
+    or AMX, vLLM's accelerated CPU state backends keep the SSM / linear-attention state in
+    float32 (``CpuPlatform.check_and_update_config``: "Reset SSM cache type to float32 for
+    accelerated GDN mamba backend"), unless float16 / bfloat16 was asked for a gated-delta-net
+    model; elsewhere the state is as the config says. A nested language-model config is read
+    (and returned) as the planner reads it, flattened by ``text_config``."""
+    if not bf16_cpu:
+        return config
+    cfg = text_config(config)
+    asked = str(cfg.get("mamba_ssm_cache_dtype") or "auto")
+    if asked in ("float16", "bfloat16") and "linear_attention" in (cfg.get("layer_types") or []):
+        return config
+    return {**cfg, "mamba_ssm_cache_dtype": "float32"}
 
 
 def predict_vllm_kv_cache(
