@@ -425,6 +425,24 @@ def test_int4_on_hopper_runs_machete_only_where_its_shape_rules_hold(
     assert "its log names MacheteLinearKernel" in record.engine["kernels_by_layer_text"]
 
 
+def test_an_older_compression_config_is_read_as_a_quantization_config() -> None:
+    """Checkpoints from before compressed-tensors renamed its section keep it under
+    ``compression_config``: the kernel rule and the planner read it as the table does."""
+    from pipeline.plan import architecture, wna16_kernels
+
+    older = {k: v for k, v in SMOLLM2_INT4.items() if k != "quantization_config"}
+    older["compression_config"] = {**SMOLLM2_INT4["quantization_config"],
+                                   "quant_method": "compressed-tensors"}
+    assert wna16_kernels.weight_group_size(older) == 64
+    assert wna16_kernels.by_layer(older, "9.0") == wna16_kernels.by_layer(SMOLLM2_INT4, "9.0")
+    section = {"compression_config": older["compression_config"]}
+    assert architecture.parse_architecture({**LLAMA_8B, **section}
+                                           ).checkpoint_quantization == "compressed-tensors"
+    nested = {"architectures": ["LlavaForConditionalGeneration"], "text_config": LLAMA_8B}
+    assert architecture.parse_architecture({**nested, **section}
+                                           ).checkpoint_quantization == "compressed-tensors"
+
+
 def test_the_plan_takes_the_kv_block_the_engine_used_on_that_card() -> None:
     """A GPU attention backend's block is not always the preset's 16 (FlashInfer, MLA): where
     the plan is for the card measured, each request is rounded up to the engine's blocks."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.core.formats import quant_config
 from pipeline.plan import recurrent
 from pipeline.plan.recurrent import GDN, MAMBA1, Layer, StateLayer
 
@@ -131,7 +132,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
             outer = {
                 k: v
                 for k, v in config.items()
-                if not k.endswith("_config") or k == "quantization_config"
+                if not k.endswith("_config") or k in ("quantization_config", "compression_config")
             }
             inner_fields = {k: v for k, v in text_config(inner).items() if v is not None}
             return {**outer, **inner_fields}
@@ -377,7 +378,7 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
     ]
     if not cfg.get("tie_word_embeddings", False):
         modules.append(ModuleKind("lm_head", (Matrix(vocab, hidden),)))
-    quant = cfg.get("quantization_config")
+    quant = quant_config(cfg)
     return Architecture(
         model_type=model_type,
         num_layers=layers,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.core.formats import quant_config
 from pipeline.plan.architecture import text_config
 
 MACHETE = "MacheteLinearKernel"
@@ -59,7 +60,7 @@ def layer_groups(config: Mapping[str, Any], tensor_parallel: int = 1
 def weight_group_size(config: Mapping[str, Any]) -> int | None:
     """The group size of the checkpoint's weight quantization (-1: per channel); None when
     its config names none."""
-    quant = config.get("quantization_config") or {}
+    quant = quant_config(config)
     for group in (quant.get("config_groups") or {}).values():
         weights = (group or {}).get("weights") or {}
         if weights.get("num_bits") in (4, 8) and weights.get("type", "int") == "int":
