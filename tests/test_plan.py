@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.core.paths import PROJECT_ROOT
+from pipeline.core.paths import CONFIGS_DIR, PROJECT_ROOT
 from pipeline.plan import capacity
 from pipeline.plan import cli as plan
 from pipeline.plan.accelerators import get_accelerator, known_accelerators
+from pipeline.plan.architecture import parse_architecture
 from pipeline.plan.settings import DEFAULT_RESERVE_GB
 
 GB = 10**9
@@ -250,3 +251,19 @@ def test_one_device_leaves_the_measurements_keys_as_they_were():
     assert "engine.pipeline_parallel_size" not in one.as_params()
     assert four.identity()["tensor_parallel_size"] == 4
     assert four.as_params()["engine.tensor_parallel_size"] == 4
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CONFIGS_DIR / "models").iterdir()))
+def test_the_planned_weights_are_the_parameters_transformers_builds_from_the_config(name):
+    """Every shipped config, hybrids included: the planner's parameter count is the model's own,
+    counted on the modules transformers builds from that config (on the meta device: no
+    memory), which are the tensors its checkpoint holds."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    directory = CONFIGS_DIR / "models" / name
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(directory))
+    built = sum(p.numel() for p in model.parameters())
+    config = json.loads((directory / "config.json").read_text())
+    assert parse_architecture(config).params == built

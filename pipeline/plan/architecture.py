@@ -244,7 +244,11 @@ def _attention(cfg: Mapping[str, Any], layers: int, hidden: int, heads: int,
             for w in _layer_windows(cfg, layers, model_type)
         )
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
-        shapes = [(q_out, hidden), (kv_out, hidden), (kv_out, hidden), (hidden, q_out)]
+        # Qwen3-Next's q projection also yields a sigmoid gate on the output (vLLM's
+        # attn_output_gate, default on): twice the rows
+        q_rows = 2 * q_out if model_type == "qwen3_next" and cfg.get(
+            "attn_output_gate", True) else q_out
+        shapes = [(q_rows, hidden), (kv_out, hidden), (kv_out, hidden), (hidden, q_out)]
         if cfg.get("attention_bias"):
             vectors = q_out + 2 * kv_out + hidden
         elif model_type.startswith("qwen2"):  # q/k/v biases, no o bias
@@ -332,7 +336,9 @@ def _mixers(cfg: Mapping[str, Any], hidden: int, hybrid: Sequence[Layer]) -> Mod
         inner = state_dim // int(cfg.get("ssm_state_size") or cfg.get("mamba_d_state"))
         matrices = [Matrix(inner + conv_dim + heads, hidden, n), Matrix(hidden, inner, n)]
         taps = _conv_width(cfg) + 1
-        vectors = n * (conv_dim * (taps + 1) + 3 * heads + inner)
+        # Falcon-H1 gates the scan without a norm unless mamba_rms_norm (its default: off)
+        norm = inner if cfg.get("model_type") != "falcon_h1" or cfg.get("mamba_rms_norm") else 0
+        vectors = n * (conv_dim * (taps + 1) + 3 * heads + norm)
     return ModuleKind("mixer", tuple(matrices), vectors)
 
 
