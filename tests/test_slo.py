@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.bench import knee, workloads
+from pipeline.bench import knee, table, workloads
 from pipeline.bench.slo import CapacitySearch, Objective, start_wave
 from pipeline.bench.summary import capacity_figures
 from pipeline.calibrate.scenarios import attainment_curve
@@ -370,6 +370,9 @@ def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
     assert figures.slo_output_tokens_per_s == 80.0
     assert figures.slo_requests_per_s_min == 4.0
     assert figures.slo_capacity_low == figures.slo_capacity_high == 4
+    # a closed interval of one load is shown as one: 4 shown to meet and 5 to miss
+    assert figures.text(" users") == "4 [4-4] users"
+    assert "(90% CI; " in table.capacity_text(figures)
     assert figures.workload == "w"
     assert figures.limited_by.startswith("latency (compute)")
     assert "TTFT p90 700 ms" in figures.limited_by

@@ -372,8 +372,9 @@ class Capacity(BaseModel):
 
     def text(self, users: str = "") -> str:
         """``14 [11-17]`` (the capacity and its interval), ``14 [11-?]`` (unbounded above),
-        ``>= 32 (censored)``, ``32? (undecided at the ceiling)``; a rate search's in req/s, a
-        concurrency search's followed by ``users`` (its unit in words)."""
+        ``10 [10-10]`` (10 shown to meet, 11 to miss), ``>= 32 (censored)``, ``32? (undecided
+        at the ceiling)``; a rate search's in req/s, a concurrency search's followed by
+        ``users`` (its unit in words)."""
         def unit(v: float | None) -> str:
             if v is None:
                 return "?"
@@ -385,7 +386,7 @@ class Capacity(BaseModel):
         if self.undecided:
             return f"{unit(best)}?{suffix} ({self.outcome})"
         low, high = self.interval
-        if low == high == best or not self.outcome:  # one load, or recorded before intervals
+        if not self.outcome:  # recorded before intervals
             return f"{unit(best)}{suffix}"
         return f"{unit(best)} [{unit(low)}-{unit(high)}]{suffix}"
 
