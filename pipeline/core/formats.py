@@ -203,10 +203,14 @@ class Identified(BaseModel):
         return self.format.describe(self.group_size, self.symmetric)
 
 
+# where a config.json keeps its quantization section: the current key, then the older one
+QUANT_SECTIONS = ("quantization_config", "compression_config")
+
+
 def quant_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A config.json's quantization section (``quantization_config``, or the older
-    ``compression_config``), empty for a dense model."""
-    return config.get("quantization_config") or config.get("compression_config") or {}
+    """A config.json's quantization section (:data:`QUANT_SECTIONS`), empty for a dense
+    model."""
+    return next((config[k] for k in QUANT_SECTIONS if config.get(k)), {})
 
 
 def _group(group: Mapping[str, Any], fmt: str, where: str) -> tuple[Format, int | None, bool]:

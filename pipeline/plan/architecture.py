@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.errors import PlanError
-from pipeline.core.formats import quant_config
+from pipeline.core.formats import QUANT_SECTIONS, quant_config
 from pipeline.plan import recurrent
 from pipeline.plan.recurrent import GDN, MAMBA1, Layer, StateLayer
 
@@ -132,7 +132,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
             outer = {
                 k: v
                 for k, v in config.items()
-                if not k.endswith("_config") or k in ("quantization_config", "compression_config")
+                if not k.endswith("_config") or k in QUANT_SECTIONS
             }
             inner_fields = {k: v for k, v in text_config(inner).items() if v is not None}
             return {**outer, **inner_fields}
