@@ -372,7 +372,7 @@ def test_capacity_figures_say_what_limits_the_capacity(tmp_path):
     assert figures.slo_capacity_low == figures.slo_capacity_high == 4
     # a closed interval of one load is shown as one: 4 shown to meet and 5 to miss
     assert figures.text(" users") == "4 [4-4] users"
-    assert "(90% CI; " in table.capacity_text(figures)
+    assert "(90% CI, this session; " in table.capacity_text(figures)
     assert figures.workload == "w"
     assert figures.limited_by.startswith("latency (compute)")
     assert "TTFT p90 700 ms" in figures.limited_by

@@ -68,7 +68,7 @@ def capacity_text(capacity: Capacity) -> str:
         return f"not met even at {first} ({capacity.limited_by})"
     tps = capacity.slo_output_tokens_per_s
     text = capacity.text(" concurrent requests")
-    said = [f"{capacity.level:.0%} CI"] if capacity.outcome == ESTIMATED else []
+    said = [f"{capacity.level:.0%} CI, this session"] if capacity.outcome == ESTIMATED else []
     if capacity.knee is not None and not capacity.by_rate:
         said.append(f"knee at {capacity.knee:.1f}")
     if capacity.bracket:  # where the search looked, not an interval

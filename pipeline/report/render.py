@@ -181,8 +181,10 @@ def capacity_lines(comparison: Comparison) -> list[str]:
     if objective:
         out.append(f"users @objective: the max concurrency at which {objective} (the knee "
                    "of the attainment curve, fitted over a grid of 5 loads in the bracket, in "
-                   "steady state; [90% interval], ? where unbounded, coverage measured by make "
-                   f"calibrate; >= where the ceiling was shown to meet it; measured on {where}); "
+                   "steady state; [90% interval] for the knee in the session it was "
+                   "measured in, ? where unbounded, coverage measured by make calibrate; "
+                   "sessions differ, so a fleet figure needs searches in several; >= where the "
+                   f"ceiling was shown to meet it; measured on {where}); "
                    "its cost: USD per device-hour x the devices of the run that measured it, "
                    "over the output tokens/s at the capacity [from the slowest run at the "
                    "interval's low end to the fastest at its high end; <= a bound where the "
