@@ -305,8 +305,10 @@ def searched(curve: Callable[[int], float], rng: np.random.Generator, ceiling: i
     while (run := search.next_run()) is not None:
         c = run[0]
         p = curve(c)
-        logit = math.log(p / (1 - p)) + shift + (rng.normal(0, run_sd) if run_sd else 0.0)
-        rate = 1 / (1 + math.exp(-logit)) if run_sd or shift else p
+        rate = p
+        if run_sd or shift:  # a share of exactly 0 or 1 has no logit: only drawn when it moves
+            logit = math.log(p / (1 - p)) + shift + (rng.normal(0, run_sd) if run_sd else 0.0)
+            rate = 1 / (1 + math.exp(-logit))
         n = requests(c)
         if search.is_pilot(*run):
             n = pilot + (c if wave is not None else 0)
